@@ -1,0 +1,106 @@
+"""Geometry of the FA2 forward kernel (mma.sync), computed once here.
+
+Validation uses it to reject tiles that cannot fit; codegen passes the same numbers to the
+template, which re-checks them with static_assert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import MAX_REGISTERS_PER_THREAD
+
+MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
+MMA_N = 8
+MMA_K = 16
+ELEMENT_BYTES = 2  # fp16 / bf16
+VECTOR_BYTES = 16  # cp.async / ldmatrix / epilogue stores move 16-byte vectors
+WARP_ROW_CHOICES = (16, 32)  # rows per warp: 1 or 2 m16 tiles
+WARP_CHOICES = (1, 2, 4, 8)
+STAGE_RANGE = (2, 4)  # K/V ring depth; 2 = load block j+1 while computing block j
+# Registers beyond the two accumulators: Q/K/V fragments, row max/sum, addresses, loop state.
+# Measured on the shipped variants (ptxas -v): 40-60; 48 keeps the estimate honest without
+# rejecting tiles that compile without spills.
+REGISTER_OVERHEAD = 48
+
+
+@dataclass(frozen=True)
+class Fa2Geometry:
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def warp_rows(self) -> int:
+        return self.block_m // self.warps
+
+    @property
+    def row_pitch_bytes(self) -> int:
+        # One 16-byte vector of padding per row: the 8 rows an ldmatrix reads then start in 8
+        # distinct bank groups (head_dim/8 + 1 vectors per row is odd for every head_dim that is
+        # a multiple of 16), so ldmatrix and cp.async are conflict-free without a swizzle.
+        return self.head_dim * ELEMENT_BYTES + VECTOR_BYTES
+
+    @property
+    def smem_q_bytes(self) -> int:
+        return self.block_m * self.row_pitch_bytes
+
+    @property
+    def smem_kv_stage_bytes(self) -> int:
+        return 2 * self.block_n * self.row_pitch_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        # The epilogue stages O through the Q buffer, so it needs no space of its own.
+        return self.smem_q_bytes + self.stages * self.smem_kv_stage_bytes
+
+    @property
+    def accumulator_registers(self) -> int:
+        """fp32 registers per thread for the O and S accumulators."""
+        return self.warp_rows * (self.head_dim + self.block_n) // 32
+
+    @property
+    def estimated_registers(self) -> int:
+        return self.accumulator_registers + REGISTER_OVERHEAD
+
+    def problems(self, max_smem: int) -> list[str]:
+        """Why this tile cannot work, one message per violated limit (empty when it fits)."""
+        out: list[str] = []
+        if self.head_dim % MMA_K:
+            out.append(
+                f"head_dim={self.head_dim}: the FA2 template needs a multiple of {MMA_K} "
+                "(mma.sync k-step and ldmatrix pairs)"
+            )
+        if self.warps not in WARP_CHOICES:
+            out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
+        elif self.block_m % self.warps or self.warp_rows not in WARP_ROW_CHOICES:
+            out.append(
+                f"tile.block_m={self.block_m} with tile.warps={self.warps} gives "
+                f"{self.block_m / self.warps:g} rows per warp; must be one of {WARP_ROW_CHOICES}"
+            )
+        if self.block_n % MMA_K or not (MMA_K <= self.block_n <= 256):
+            out.append(f"tile.block_n={self.block_n}: must be a multiple of {MMA_K} in [16, 256]")
+        if not (STAGE_RANGE[0] <= self.stages <= STAGE_RANGE[1]):
+            out.append(f"tile.stages={self.stages}: must be in [{STAGE_RANGE[0]}, {STAGE_RANGE[1]}]")
+        if out:
+            return out
+        if self.smem_bytes > max_smem:
+            out.append(
+                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
+                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
+                f"the arch allows {max_smem}"
+            )
+        if self.estimated_registers > MAX_REGISTERS_PER_THREAD:
+            out.append(
+                f"tile (block_m={self.block_m}, warps={self.warps}, block_n={self.block_n}) "
+                f"needs about {self.estimated_registers} registers per thread at "
+                f"head_dim={self.head_dim} ({self.accumulator_registers} for the accumulators); "
+                f"the limit is {MAX_REGISTERS_PER_THREAD}: use fewer rows per warp or a smaller block_n"
+            )
+        return out

@@ -1,0 +1,106 @@
+"""YAML spec files: a bundle name and entries whose fields may be lists (the product expands)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .model import KernelSpec
+
+_BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class SpecError(ValueError):
+    """A spec file that cannot be built, with a message naming the entry and field."""
+
+
+class SpecFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bundle: str
+    description: str = ""
+    kernels: list[dict[str, Any]]
+
+    @field_validator("bundle")
+    @classmethod
+    def _check_bundle(cls, value: str) -> str:
+        if not _BUNDLE_NAME.match(value):
+            raise ValueError(f"bundle={value!r}: use letters, digits, '.', '_' and '-'")
+        return value
+
+
+@dataclass
+class Expansion:
+    bundle: str
+    specs: list[KernelSpec] = field(default_factory=list)
+    # Combinations a product produced that the constraints reject: (entry index, fields, why).
+    skipped: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
+
+
+def _first_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
+    if not isinstance(entry, dict):
+        raise SpecError(f"kernels[{index}]: expected a mapping of fields, got {type(entry).__name__}")
+    list_fields = {k: v for k, v in entry.items() if isinstance(v, list)}
+    if any(len(v) == 0 for v in list_fields.values()):
+        empty = [k for k, v in list_fields.items() if not v]
+        raise SpecError(f"kernels[{index}]: empty list for {', '.join(empty)}")
+    names = list(list_fields)
+    for values in itertools.product(*(list_fields[k] for k in names)):
+        fields = {**entry, **dict(zip(names, values))}
+        try:
+            out.specs.append(KernelSpec.model_validate(fields))
+        except ValidationError as exc:
+            why = _first_error(exc)
+            if not list_fields:
+                raise SpecError(f"kernels[{index}]: {why}") from None
+            out.skipped.append((index, dict(zip(names, values)), why))
+
+
+def expand(data: dict[str, Any]) -> Expansion:
+    """Validate a parsed spec file and expand it into kernel specs (duplicates dropped)."""
+    try:
+        spec_file = SpecFile.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"spec file: {_first_error(exc)}") from None
+    out = Expansion(bundle=spec_file.bundle)
+    for index, entry in enumerate(spec_file.kernels):
+        expand_entry(index, entry, out)
+    unique: dict[str, KernelSpec] = {}
+    for spec in out.specs:
+        unique.setdefault(spec.name, spec)
+    out.specs = sorted(unique.values(), key=lambda s: s.name)
+    if not out.specs:
+        raise SpecError("spec file expands to no valid kernel: " +
+                        "; ".join(why for _, _, why in out.skipped[:5]))
+    return out
+
+
+def load_spec_file(path: str | Path) -> Expansion:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such spec file") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with 'bundle' and 'kernels'")
+    try:
+        return expand(data)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None

@@ -1,0 +1,43 @@
+// fagen kernel ABI: the one parameter every forward kernel takes, by value, as a
+// `const __grid_constant__` struct. Plain C so that host code in C, C++ and Python (ctypes,
+// fagen/abi.py) can fill it. Bump FAGEN_ABI_VERSION on any change of layout or meaning; the
+// loaders refuse a bundle built against another version. Every kernel re-checks the offsets the
+// Python side computed with static_assert, so the two layouts cannot drift apart silently.
+#pragma once
+
+#define FAGEN_ABI_VERSION 1
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct FagenFwdParams {
+    // Tensors in flash-attn layout (batch, seqlen, heads, head_dim); the last dimension must be
+    // contiguous and every row start 16-byte aligned (the kernels move 16-byte vectors).
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    // Log-sum-exp of each query row, natural log, (batch, heads_q, seqlen_q) fp32; may be null.
+    float* lse;
+
+    // Strides in elements (not bytes).
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+
+    int batch;
+    int heads_q;
+    int heads_kv;   // heads_q is a multiple of heads_kv (GQA/MQA)
+    int seqlen_q;
+    int seqlen_k;
+
+    // softmax_scale * log2(e): the kernels work in base 2 with the scale folded in.
+    float scale_log2;
+} FagenFwdParams;
+
+#ifdef __cplusplus
+}
+#endif
