@@ -25,22 +25,22 @@ class TuningRow:
 
 
 TABLE: tuple[TuningRow, ...] = (
-    # ---- FA2 forward (mma.sync) ----
-    TuningRow(2, 64, 128, 128, 4, 2,
-              "32 rows per warp: every K/V fragment read from smem feeds 2 MMAs; "
-              "S (128 regs) + O (64 regs) fit in 255; 92 KB smem -> 2 CTAs/SM on sm80/sm90"),
+    # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16 (2026-11-30). ----
+    TuningRow(2, 64, 128, 64, 4, 2,
+              "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; block_n 128 "
+              "spills on sm80 (255 regs), block_n 64 compiles to 225; 55 KB smem -> 4 CTAs/SM"),
     TuningRow(2, 64, 64, 64, 4, 2,
-              "fallback for 99 KB parts: 16 rows per warp, 55 KB smem -> 1-2 CTAs/SM"),
-    TuningRow(2, 128, 128, 64, 4, 2,
-              "32 rows per warp as above; block_n 64 keeps S at 64 regs so O (128) fits; "
-              "104 KB smem -> 2 CTAs/SM on sm90"),
+              "fallback for 99 KB parts: 16 rows per warp, 55 KB smem"),
+    TuningRow(2, 128, 128, 64, 8, 2,
+              "16 rows per warp: at 32 rows O (128) + S (64) spill past 255 regs; 182 regs, "
+              "104 KB smem -> 2 CTAs (16 warps) per SM on sm90"),
     TuningRow(2, 128, 64, 64, 4, 2,
               "fallback for 99 KB parts: 16 rows per warp, 52 KB smem"),
     TuningRow(2, 256, 128, 64, 8, 2,
               "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps; "
-              "203 KB smem -> 1 CTA (8 warps) per SM on sm90"),
+              "203 KB smem at head_dim 256 -> 1 CTA (8 warps) per SM on sm90"),
     TuningRow(2, 256, 64, 32, 4, 2,
-              "fallback for sm80's 163 KB / 99 KB parts: 64x32 tile, 16 rows per warp"),
+              "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
 )
 
 

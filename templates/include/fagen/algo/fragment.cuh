@@ -1,0 +1,33 @@
+// The accumulator fragment shape shared by mma.sync (m16n8) and wgmma (m64nN, per warp): a
+// thread holds, for each 16-row tile m and each 8-column tile n, four floats
+//   acc[m][n][0..1] = row (16m + group),     columns (8n + 2*quad, +1)
+//   acc[m][n][2..3] = row (16m + group + 8), columns (8n + 2*quad, +1)
+// with lane = 4*group + quad. A row's values are spread over the 4 lanes of a quad, so row
+// reductions are thread-local folds followed by two xor-shuffles.
+#pragma once
+
+namespace fagen::algo {
+
+// -inf without <cmath>, which NVRTC only offers through CCCL (seconds per compile).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+struct FragmentCoord {
+    int row;  // within the warp's rows
+    int col;  // within the tile's columns
+};
+
+__device__ __forceinline__ FragmentCoord fragment_coord(int lane, int m, int n, int i) {
+    return {16 * m + (lane >> 2) + 8 * (i >> 1), 8 * n + 2 * (lane & 3) + (i & 1)};
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace fagen::algo

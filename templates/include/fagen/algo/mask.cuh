@@ -1,0 +1,65 @@
+// Which (query row, key column) pairs attend, and which key blocks a query block must visit.
+//
+// Causal attention is aligned to the bottom-right corner (flash-attn >= 2.1): query row i sees
+// keys j <= i + (seqlen_k - seqlen_q), so the last query row sees every key. Rows with
+// i + seqlen_k - seqlen_q < 0 see no key at all; the kernels write 0 and LSE = -inf for them.
+#pragma once
+#include "fagen/algo/fragment.cuh"
+
+namespace fagen::algo {
+
+template <bool kCausal>
+struct AttentionMask {
+    int seqlen_q;
+    int seqlen_k;
+
+    __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }
+
+    // Number of key blocks of `block_n` keys that query rows [row_begin, row_begin + block_m)
+    // touch; blocks [0, result) are visited. May be <= 0 when no row sees any key.
+    __device__ __forceinline__ int key_blocks(int row_begin, int block_m, int block_n) const {
+        int keys = seqlen_k;
+        if constexpr (kCausal) {
+            keys = min(keys, row_begin + block_m + causal_offset());
+        }
+        return (keys + block_n - 1) / block_n;
+    }
+
+    // Whether key block `n_block` holds any (row, key) pair that must be masked for rows
+    // [row_begin, row_begin + block_m): past seqlen_k, or (causal) right of the diagonal of the
+    // block's first row. Every other block is computed without masking.
+    __device__ __forceinline__ bool block_needs_mask(int n_block, int row_begin, int block_n) const {
+        const int last_key = (n_block + 1) * block_n - 1;
+        bool needs = last_key >= seqlen_k;
+        if constexpr (kCausal) {
+            needs = needs || last_key > row_begin + causal_offset();
+        }
+        return needs;
+    }
+
+    // Sets masked scores to -inf in a row-pair fragment whose rows start at `row_base` and whose
+    // columns start at `col_base` (absolute query / key indices).
+    template <int kM, int kN>
+    __device__ __forceinline__ void apply(float (&acc)[kM][kN][4], int lane, int row_base,
+                                          int col_base) const {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+            for (int n = 0; n < kN; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const FragmentCoord c = fragment_coord(lane, m, n, i);
+                    const int row = row_base + c.row;
+                    const int col = col_base + c.col;
+                    bool masked = col >= seqlen_k;
+                    if constexpr (kCausal) {
+                        masked = masked || col > row + causal_offset();
+                    }
+                    if (masked) acc[m][n][i] = neg_inf();
+                }
+            }
+        }
+    }
+};
+
+}  // namespace fagen::algo

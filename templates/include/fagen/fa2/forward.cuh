@@ -1,0 +1,291 @@
+// FlashAttention-2 forward on mma.sync (sm_80 and later).
+//
+// One CTA per (query block, head, batch). The Q tile is copied to shared memory once; K/V tiles
+// stream through a ring of Config::kStages shared-memory slots filled by cp.async, so block j+1..
+// j+kStages-1 load while block j computes. Each warp owns kWarpRows query rows (1 or 2 m16
+// tiles): S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulation, operands
+// fetched by ldmatrix; P stays in registers between the two MMAs. Key blocks are visited last
+// to first, so the (at most two) blocks that need masking come first and the rest run unmasked.
+#pragma once
+#include "fagen/types.cuh"
+
+#include "fagen/algo/mask.cuh"
+#include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/tile_scheduler.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+#include "fagen/ptx/cp_async.cuh"
+#include "fagen/ptx/ldmatrix.cuh"
+
+namespace fagen::fa2 {
+
+template <class Config>
+struct Forward {
+    using Element = typename Config::Element;
+    using Ops = ElementOps<Element>;
+
+    static constexpr int kThreads = Config::kThreads;
+    static constexpr int kPitch = Config::kRowPitchBytes;
+    static constexpr int kVecsPerRow = Config::kHeadDim / 8;  // 16-byte vectors per row
+    static constexpr int kMTiles = Config::kWarpRows / 16;    // m16 tiles per warp
+    static constexpr int kSTiles = Config::kBlockN / 8;       // n8 tiles of S
+    static constexpr int kOTiles = Config::kHeadDim / 8;      // n8 tiles of O
+    static constexpr int kQKSteps = Config::kHeadDim / 16;    // k16 steps of Q K^T
+    static constexpr int kPVSteps = Config::kBlockN / 16;     // k16 steps of P V
+
+    static_assert(Config::kWarpRows % 16 == 0, "a warp owns whole m16 tiles");
+    static_assert(Config::kHeadDim % 16 == 0 && Config::kBlockN % 16 == 0,
+                  "ldmatrix.x4 loads operand pairs of 16 columns");
+    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1,
+                  "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
+    static_assert(Config::kStages >= 2, "the ring needs a slot to load while one computes");
+
+    // Copies `kRows` rows of head_dim elements from global (row stride in elements) to shared
+    // memory; rows at or past `rows_valid` are zero-filled.
+    template <int kRows>
+    static __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src,
+                                                     long long row_stride, int rows_valid,
+                                                     int tid) {
+        constexpr int kVecs = kRows * kVecsPerRow;
+        if constexpr (kThreads % kVecsPerRow == 0 && kVecs % kThreads == 0) {
+            // Each thread owns one vector column and every kRowStep-th row: one running
+            // pointer instead of a precomputed 64-bit offset per row (which costs registers).
+            constexpr int kRowStep = kThreads / kVecsPerRow;
+            const int vec = tid % kVecsPerRow;
+            int row = tid / kVecsPerRow;
+            const Element* g = src + row * row_stride + vec * 8;
+            const long long step = kRowStep * row_stride;
+            uint32_t dst = smem + row * kPitch + vec * 16;
+#pragma unroll
+            for (int it = 0; it < kVecs / kThreads; ++it) {
+                ptx::cp_async_cg_16(dst, g, row < rows_valid);
+                g += step;
+                row += kRowStep;
+                dst += kRowStep * kPitch;
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
+                const int idx = tid + it * kThreads;
+                if (kVecs % kThreads == 0 || idx < kVecs) {
+                    const int row = idx / kVecsPerRow;
+                    const int vec = idx % kVecsPerRow;
+                    const bool valid = row < rows_valid;
+                    const Element* g = src + (valid ? row : 0) * row_stride + vec * 8;
+                    ptx::cp_async_cg_16(smem + row * kPitch + vec * 16, g, valid);
+                }
+            }
+        }
+    }
+
+    static __device__ void run(const FagenFwdParams& p, char* smem) {
+        const int tid = threadIdx.x;
+        const int warp = tid / 32;
+        const int lane = tid % 32;
+        const int m_block = algo::query_block_index<Config::kCausal>();
+        const int head = blockIdx.y;
+        const int batch = blockIdx.z;
+        const int kv_head = head / (p.heads_q / p.heads_kv);
+        const int row_begin = m_block * Config::kBlockM;
+        const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
+
+        const algo::AttentionMask<Config::kCausal> mask{p.seqlen_q, p.seqlen_k};
+        const int n_blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
+
+        Element* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride +
+                     head * p.o_head_stride + row_begin * p.o_row_stride;
+        float* lse = p.lse == nullptr
+                         ? nullptr
+                         : p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + row_begin;
+        const int rows_valid = p.seqlen_q - row_begin;
+
+        if (n_blocks <= 0) {
+            write_empty_rows(o, p.o_row_stride, lse, rows_valid, tid);
+            return;
+        }
+
+        const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
+                           head * p.q_head_stride + row_begin * p.q_row_stride;
+        const Element* k = static_cast<const Element*>(p.k) + batch * p.k_batch_stride +
+                           kv_head * p.k_head_stride;
+        const Element* v = static_cast<const Element*>(p.v) + batch * p.v_batch_stride +
+                           kv_head * p.v_head_stride;
+
+        const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+        const uint32_t smem_kv = smem_q + Config::kSmemQBytes;
+
+        // K/V of the j-th visited block (block n_blocks-1-j) into ring slot j % kStages.
+        auto load_kv = [&](int j) {
+            const int n_block = n_blocks - 1 - j;
+            const int key_begin = n_block * Config::kBlockN;
+            const uint32_t slot = smem_kv + (j % Config::kStages) * Config::kSmemKVStageBytes;
+            load_rows<Config::kBlockN>(slot, k + key_begin * p.k_row_stride, p.k_row_stride,
+                                       p.seqlen_k - key_begin, tid);
+            load_rows<Config::kBlockN>(slot + Config::kBlockN * kPitch,
+                                       v + key_begin * p.v_row_stride, p.v_row_stride,
+                                       p.seqlen_k - key_begin, tid);
+        };
+
+        load_rows<Config::kBlockM>(smem_q, q, p.q_row_stride, rows_valid, tid);
+#pragma unroll
+        for (int j = 0; j < Config::kStages - 1; ++j) {
+            if (j < n_blocks) load_kv(j);
+            ptx::cp_async_commit_group();  // one group per slot, empty or not: counts stay exact
+        }
+
+        // Per-lane byte offsets of the ldmatrix row addresses (see ldmatrix.cuh / mma_sync.cuh):
+        // Q as the A operand, K as B of Q K^T (non-transposed), V as B of P V (transposed).
+        const uint32_t q_lane = (warp_row + lane % 16) * kPitch + (lane / 16) * 16;
+        const uint32_t k_lane = (lane % 8 + 8 * (lane / 16)) * kPitch + ((lane / 8) % 2) * 16;
+        const uint32_t v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + (lane / 16) * 16;
+
+        float acc_o[kMTiles][kOTiles][4];
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+            for (int n = 0; n < kOTiles; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc_o[m][n][i] = 0.f;
+        algo::OnlineSoftmax<kMTiles> softmax;
+        softmax.init();
+
+        for (int j = 0; j < n_blocks; ++j) {
+            ptx::cp_async_wait_group<Config::kStages - 2>();
+            // Block j has landed for every thread, and every warp is done with block j-1,
+            // whose slot the next load overwrites.
+            __syncthreads();
+            if (j + Config::kStages - 1 < n_blocks) load_kv(j + Config::kStages - 1);
+            ptx::cp_async_commit_group();
+
+            const int n_block = n_blocks - 1 - j;
+            const uint32_t smem_k = smem_kv + (j % Config::kStages) * Config::kSmemKVStageBytes;
+            const uint32_t smem_v = smem_k + Config::kBlockN * kPitch;
+
+            float acc_s[kMTiles][kSTiles][4];
+#pragma unroll
+            for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+                for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc_s[m][n][i] = 0.f;
+
+#pragma unroll
+            for (int kk = 0; kk < kQKSteps; ++kk) {
+                uint32_t a[kMTiles][4];
+#pragma unroll
+                for (int m = 0; m < kMTiles; ++m) {
+                    ptx::ldmatrix_x4(a[m], smem_q + q_lane + m * 16 * kPitch + kk * 32);
+                }
+#pragma unroll
+                for (int np = 0; np < kSTiles / 2; ++np) {
+                    uint32_t b[4];
+                    ptx::ldmatrix_x4(b, smem_k + k_lane + np * 16 * kPitch + kk * 32);
+                    const uint32_t b_lo[2] = {b[0], b[1]};
+                    const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+                    for (int m = 0; m < kMTiles; ++m) {
+                        Ops::mma(acc_s[m][2 * np], a[m], b_lo);
+                        Ops::mma(acc_s[m][2 * np + 1], a[m], b_hi);
+                    }
+                }
+            }
+
+            if (mask.block_needs_mask(n_block, row_begin, Config::kBlockN)) {
+                mask.apply(acc_s, lane, row_begin + warp_row, n_block * Config::kBlockN);
+            }
+            softmax.step(acc_s, acc_o, p.scale_log2);
+
+#pragma unroll
+            for (int kk = 0; kk < kPVSteps; ++kk) {
+                uint32_t a[kMTiles][4];
+#pragma unroll
+                for (int m = 0; m < kMTiles; ++m) {
+                    a[m][0] = Ops::pack(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
+                    a[m][1] = Ops::pack(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
+                    a[m][2] = Ops::pack(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
+                    a[m][3] = Ops::pack(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < kOTiles / 2; ++dp) {
+                    uint32_t b[4];
+                    ptx::ldmatrix_x4_trans(b, smem_v + v_lane + kk * 16 * kPitch + dp * 32);
+                    const uint32_t b_lo[2] = {b[0], b[1]};
+                    const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+                    for (int m = 0; m < kMTiles; ++m) {
+                        Ops::mma(acc_o[m][2 * dp], a[m], b_lo);
+                        Ops::mma(acc_o[m][2 * dp + 1], a[m], b_hi);
+                    }
+                }
+            }
+        }
+        ptx::cp_async_wait_group<0>();
+
+        float row_lse[kMTiles][2];
+        softmax.finalize(acc_o, row_lse, p.scale_log2);
+        store_output(acc_o, row_lse, smem, o, p.o_row_stride, lse, rows_valid, warp_row, lane);
+    }
+
+    // Each warp stages its rows of O through its own rows of the Q buffer (only this warp ever
+    // read them, so no CTA barrier is needed), then writes 16-byte vectors, coalesced per row.
+    static __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kOTiles][4],
+                                                        const float (&row_lse)[kMTiles][2],
+                                                        char* smem, Element* o,
+                                                        long long o_row_stride, float* lse,
+                                                        int rows_valid, int warp_row, int lane) {
+        __syncwarp();
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+            for (int n = 0; n < kOTiles; ++n) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const algo::FragmentCoord c = algo::fragment_coord(lane, m, n, 2 * h);
+                    *reinterpret_cast<uint32_t*>(smem + (warp_row + c.row) * kPitch + c.col * 2) =
+                        Ops::pack(acc_o[m][n][2 * h], acc_o[m][n][2 * h + 1]);
+                }
+            }
+        }
+        __syncwarp();
+        constexpr int kWarpVecs = Config::kWarpRows * kVecsPerRow;
+#pragma unroll
+        for (int idx = lane; idx < kWarpVecs; idx += 32) {
+            const int row = idx / kVecsPerRow;
+            const int vec = idx % kVecsPerRow;
+            if (warp_row + row < rows_valid) {
+                *reinterpret_cast<uint4*>(o + (warp_row + row) * o_row_stride + vec * 8) =
+                    *reinterpret_cast<const uint4*>(smem + (warp_row + row) * kPitch + vec * 16);
+            }
+        }
+        if (lse != nullptr && lane % 4 == 0) {
+#pragma unroll
+            for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = warp_row + 16 * m + lane / 4 + 8 * h;
+                    if (row < rows_valid) lse[row] = row_lse[m][h];
+                }
+            }
+        }
+    }
+
+    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+    static __device__ __forceinline__ void write_empty_rows(Element* o, long long o_row_stride,
+                                                            float* lse, int rows_valid, int tid) {
+        constexpr int kVecs = Config::kBlockM * kVecsPerRow;
+        for (int idx = tid; idx < kVecs; idx += kThreads) {
+            const int row = idx / kVecsPerRow;
+            if (row < rows_valid) {
+                *reinterpret_cast<uint4*>(o + row * o_row_stride + (idx % kVecsPerRow) * 8) =
+                    make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (lse != nullptr) {
+            for (int row = tid; row < Config::kBlockM && row < rows_valid; row += kThreads) {
+                lse[row] = algo::neg_inf();
+            }
+        }
+    }
+};
+
+}  // namespace fagen::fa2
