@@ -34,6 +34,12 @@ class Launch:
     threads: int
     block_m: int  # grid = (ceil(seqlen_q / block_m), heads_q, batch)
     dynamic_smem: int
+    # TMA kernels take FagenTmaMaps as a second parameter: box rows of the Q and K/V maps
+    # (64 columns, 128-byte swizzle). 0 = no TMA parameter.
+    tma_q_rows: int = 0
+    tma_kv_rows: int = 0
+    # Persistent kernels: grid = (min(tiles, SMs), 1, 1), tiles = query blocks x heads x batch.
+    persistent: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,27 @@ from dataclasses import asdict, dataclass
 
 from .. import abi
 from ..spec import KernelSpec, algorithm_for
+from ..spec.fa3 import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+from ..spec.fa4 import CONTROL_REGISTERS, CORRECTION_REGISTERS, SOFTMAX_REGISTERS
 
 C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """How a host launches the kernel: grid = (ceil(seqlen_q / block_m), heads_q, batch)."""
+    """How a host launches the kernel: grid = (ceil(seqlen_q / block_m), heads_q, batch).
+
+    TMA kernels (tma_q_rows > 0) take a second parameter, FagenTmaMaps: Q boxes of tma_q_rows
+    rows and K/V boxes of tma_kv_rows rows, 64 columns each, 128-byte swizzle.
+    """
 
     threads: int
     block_m: int
     dynamic_smem: int
+    tma_q_rows: int = 0
+    tma_kv_rows: int = 0
+    # Persistent kernels take grid (min(tiles, SMs), 1, 1) and walk the tiles themselves.
+    persistent: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -29,7 +39,72 @@ class LaunchInfo:
 
 def launch_info(spec: KernelSpec) -> LaunchInfo:
     g = spec.geometry
-    return LaunchInfo(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes)
+    uses_tma = spec.fa_version >= 3
+    return LaunchInfo(
+        threads=g.threads,
+        block_m=g.block_m,
+        dynamic_smem=g.smem_bytes,
+        tma_q_rows=g.block_m if uses_tma else 0,
+        tma_kv_rows=g.block_n if uses_tma else 0,
+        persistent=bool(getattr(g, "persistent", False)),
+    )
+
+
+def _softmax_options(spec: KernelSpec) -> dict:
+    """The algo/online_softmax.cuh options every template takes (FA2, FA3, FA4)."""
+    threshold = spec.tile.rescale_threshold
+    return {
+        "exp2_emulation_period": spec.tile.exp2_emulation_period,
+        "conditional_rescale": threshold is not None,
+        "rescale_threshold": repr(float(threshold or 0.0)),
+    }
+
+
+def _fa2_context(spec: KernelSpec) -> dict:
+    g = spec.geometry
+    return {
+        "warp_rows": g.warp_rows,
+        "row_pitch_bytes": g.row_pitch_bytes,
+        "smem_q_bytes": g.smem_q_bytes,
+        "smem_kv_stage_bytes": g.smem_kv_stage_bytes,
+        **_softmax_options(spec),
+    }
+
+
+def _fa3_context(spec: KernelSpec) -> dict:
+    g = spec.geometry
+    return {
+        "warp_specialized": g.warp_specialized,
+        "pingpong": g.pingpong,
+        "intra_wg_overlap": g.intra_wg_overlap,
+        "persistent": g.persistent,
+        "producer_registers": PRODUCER_REGISTERS,
+        "consumer_registers": CONSUMER_REGISTERS,
+        "smem_q_offset": g.smem_q_offset,
+        "smem_k_offset": g.smem_k_offset,
+        "smem_v_offset": g.smem_v_offset,
+        "smem_barrier_offset": g.smem_barrier_offset,
+        **_softmax_options(spec),
+    }
+
+
+def _fa4_context(spec: KernelSpec) -> dict:
+    g = spec.geometry
+    return {
+        "tmem_columns": g.tmem_columns,
+        "softmax_registers": SOFTMAX_REGISTERS,
+        "correction_registers": CORRECTION_REGISTERS,
+        "control_registers": CONTROL_REGISTERS,
+        "smem_q_offset": g.smem_q_offset,
+        "smem_k_offset": g.smem_k_offset,
+        "smem_v_offset": g.smem_v_offset,
+        "smem_barrier_offset": g.smem_barrier_offset,
+        "smem_control_bytes": g.smem_control_bytes,
+        **_softmax_options(spec),
+    }
+
+
+_ALGORITHM_CONTEXT = {2: _fa2_context, 3: _fa3_context, 4: _fa4_context}
 
 
 def build_context(spec: KernelSpec) -> dict:
@@ -48,14 +123,11 @@ def build_context(spec: KernelSpec) -> dict:
         "block_n": g.block_n,
         "warps": g.warps,
         "threads": g.threads,
-        "warp_rows": g.warp_rows,
         "stages": g.stages,
-        "row_pitch_bytes": g.row_pitch_bytes,
-        "smem_q_bytes": g.smem_q_bytes,
-        "smem_kv_stage_bytes": g.smem_kv_stage_bytes,
         "smem_bytes": g.smem_bytes,
         "abi_version": abi.ABI_VERSION,
         "abi_struct": abi.C_STRUCT_NAME,
         "abi_size": abi.struct_size(),
         "abi_offsets": list(abi.field_offsets().items()),
+        **_ALGORITHM_CONTEXT[spec.fa_version](spec),
     }

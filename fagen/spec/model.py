@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 
 from .algorithms import ALGORITHMS, algorithm_for
 from .arch import ARCHS, Arch
-from .fa2 import Fa2Geometry
 from .tuning import resolve_tile
 
 MAX_HEAD_DIM = 256
@@ -24,10 +24,58 @@ class TileConfig(BaseModel):
     block_n: int = Field(gt=0, description="key rows per K/V tile")
     warps: int = Field(gt=0, description="warps per CTA")
     stages: int = Field(gt=0, description="K/V shared-memory ring depth")
+    warp_specialized: bool = Field(False, description="FA3: a producer warpgroup issues all loads")
+    pingpong: bool = Field(False, description="FA3: consumer warpgroups take turns on the MMAs")
+    intra_wg_overlap: bool = Field(False, description="FA3: softmax overlaps the next Q K^T")
+    persistent: bool = Field(False, description="FA3: one CTA per SM walks many tiles")
+    exp2_emulation: float | None = Field(
+        None, description="fraction 1/k of the softmax exponentials computed by a "
+        "polynomial on the FMA pipe (every k-th column pair); omit for hardware exp2 only")
+    rescale_threshold: float | None = Field(
+        None, ge=0, description="rescale O and l only when the row maximum grows by "
+        "more than this (base 2, scaled scores; FA4 uses 8 = log2 256); omit to always rescale")
+
+    FLAG_SUFFIXES: ClassVar[dict[str, str]] = {
+        "warp_specialized": "ws", "pingpong": "pp", "intra_wg_overlap": "ov", "persistent": "ps",
+        "exp2_emulation": "e2p", "rescale_threshold": "rt"}
+
+    @model_serializer(mode="wrap")
+    def _omit_default_options(self, handler):
+        """Flags and options at their defaults are left out of the dump, so the canonical JSON,
+        and with it every kernel's hash and name, does not change when an option is added."""
+        data = handler(self)
+        return {k: v for k, v in data.items()
+                if not (k in self.FLAG_SUFFIXES and v == type(self).model_fields[k].default)}
+
+    @field_validator("exp2_emulation")
+    @classmethod
+    def _check_exp2_emulation(cls, value: float | None) -> float | None:
+        if value is not None and not (0 < value <= 1 and abs(1 / value - round(1 / value)) < 1e-6):
+            raise ValueError(f"exp2_emulation={value}: must be 1/k for a whole k >= 1 (every k-th "
+                             "column pair uses the polynomial); omit it for hardware exp2 only")
+        return value
+
+    @property
+    def exp2_emulation_period(self) -> int:
+        """k of `exp2_emulation` = 1/k; 0 when every exponential uses the hardware unit."""
+        return 0 if self.exp2_emulation is None else round(1 / self.exp2_emulation)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(name for name in self.FLAG_SUFFIXES
+                     if getattr(self, name) is not None and getattr(self, name) is not False)
+
+    def _suffix(self, flag: str) -> str:
+        if flag == "exp2_emulation":
+            return f"{self.FLAG_SUFFIXES[flag]}{self.exp2_emulation_period}"
+        if flag == "rescale_threshold":
+            return f"{self.FLAG_SUFFIXES[flag]}{self.rescale_threshold:g}".replace(".", "p")
+        return self.FLAG_SUFFIXES[flag]
 
     @property
     def short(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
+        suffix = "".join(f"_{self._suffix(f)}" for f in self.flags)
+        return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{suffix}"
 
 
 class KernelSpec(BaseModel):
@@ -54,13 +102,12 @@ class KernelSpec(BaseModel):
         try:
             arch = Arch(data["arch"])
             head_dim = int(data["head_dim"])
-            row = resolve_tile(int(data["fa_version"]), arch, head_dim)
-        except (ValueError, TypeError) as exc:
+            row = resolve_tile(int(data["fa_version"]), arch, head_dim, bool(data.get("causal", False)))
+        except (ValueError, TypeError, OverflowError) as exc:
             if "tile: auto" in str(exc):
                 raise ValueError(str(exc)) from None
             return data  # a malformed arch/head_dim: field validation names it
-        return {**data, "tile": {"block_m": row.block_m, "block_n": row.block_n,
-                                 "warps": row.warps, "stages": row.stages}}
+        return {**data, "tile": row.tile_fields()}
 
     @field_validator("head_dim")
     @classmethod
@@ -86,15 +133,21 @@ class KernelSpec(BaseModel):
                 f"arch={self.arch.value}: fa_version={self.fa_version} {self.direction} runs on "
                 f"{', '.join(a.value for a in algorithm.archs)} only ({algorithm.why_archs})"
             )
+        unknown_flags = [f for f in self.tile.flags if f not in algorithm.tile_flags]
+        if unknown_flags:
+            raise ValueError(
+                f"tile.{unknown_flags[0]}: fa_version={self.fa_version} has no such option "
+                f"(it takes: {', '.join(algorithm.tile_flags) or 'none'})"
+            )
         problems = self.geometry.problems(ARCHS[self.arch].max_smem_per_block)
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
     @property
-    def geometry(self) -> Fa2Geometry:
-        t = self.tile
-        return Fa2Geometry(self.head_dim, t.block_m, t.block_n, t.warps, t.stages)
+    def geometry(self):
+        """The algorithm's geometry (Fa2Geometry, Fa3Geometry): validation and derived constants."""
+        return algorithm_for(self.fa_version, self.direction).geometry(self.head_dim, self.tile)
 
     # ---- naming: stable, derived from the canonical spec only ----
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from types import SimpleNamespace
+
+from .algorithms import algorithm_for
 from .arch import ARCHS, Arch
-from .fa2 import Fa2Geometry
 
 
 @dataclass(frozen=True)
@@ -22,34 +24,96 @@ class TuningRow:
     warps: int
     stages: int
     reason: str
+    warp_specialized: bool = False
+    pingpong: bool = False
+    intra_wg_overlap: bool = False
+    persistent: bool = False
+    exp2_emulation: float | None = None
+    rescale_threshold: float | None = None
+    causal: bool | None = None  # None: the row serves both masks
+
+    def tile_fields(self) -> dict:
+        fields = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
+                  "stages": self.stages}
+        for flag in ("warp_specialized", "pingpong", "intra_wg_overlap", "persistent"):
+            if getattr(self, flag):
+                fields[flag] = True
+        for option in ("exp2_emulation", "rescale_threshold"):
+            if getattr(self, option) is not None:
+                fields[option] = getattr(self, option)
+        return fields
 
 
 TABLE: tuple[TuningRow, ...] = (
-    # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16 (2026-11-30). ----
+    # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
+    # H200 tile sweep of 2026-11-30 (bench/tile_sweep.py, docs/performance.md), seqlen 4k. ----
     TuningRow(2, 64, 128, 64, 4, 2,
-              "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; block_n 128 "
-              "spills on sm80 (255 regs), block_n 64 compiles to 225; 55 KB smem -> 4 CTAs/SM"),
+              "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; 1.06x/1.02x "
+              "SDPA-FA2 (full/causal), within 1% of block_n 128, which spills on sm80; 55 KB smem"),
     TuningRow(2, 64, 64, 64, 4, 2,
               "fallback for 99 KB parts: 16 rows per warp, 55 KB smem"),
-    TuningRow(2, 128, 128, 64, 8, 2,
-              "16 rows per warp: at 32 rows O (128) + S (64) spill past 255 regs; 182 regs, "
-              "104 KB smem -> 2 CTAs (16 warps) per SM on sm90"),
+    TuningRow(2, 128, 128, 32, 4, 2,
+              "32 rows per warp with block_n 32 keeps O (128) + S (32) under 255 regs (244-253, "
+              "no spills on sm80/86/90): 0.94x/0.97x SDPA-FA2 against 0.82x/0.81x for 16 rows "
+              "per warp (m128n64w8); head_dim 96 takes it by the same register arithmetic"),
     TuningRow(2, 128, 64, 64, 4, 2,
               "fallback for 99 KB parts: 16 rows per warp, 52 KB smem"),
     TuningRow(2, 256, 128, 64, 8, 2,
-              "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps; "
-              "203 KB smem at head_dim 256 -> 1 CTA (8 warps) per SM on sm90"),
+              "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps; 0.92x SDPA-FA2, "
+              "best of 4 tiles; 203 KB smem at head_dim 256 -> 1 CTA (8 warps) per SM on sm90"),
     TuningRow(2, 256, 64, 32, 4, 2,
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
+    # ---- FA3 forward (wgmma + TMA, sm90a): 2 consumer warpgroups x 64 rows + 1 producer
+    # warpgroup, warp specialization + ping-pong + intra-warpgroup overlap (each measured in
+    # the ablation of docs/performance.md). ----
+    TuningRow(3, 64, 128, 128, 12, 2,
+              "S and O are 64 regs each per consumer thread; block_n 192 and 3 stages measured "
+              "within 5% (0.84-0.90x cuDNN); 81 KB smem",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True),
+    TuningRow(3, 128, 128, 176, 12, 2,
+              "non-causal: block_n 176 halves the per-block overhead share: 586 vs 570 TFLOP/s "
+              "for 128; S 88 + O 64 + P 44 regs fit the 240 of a consumer; 209 KB smem",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, causal=False),
+    TuningRow(3, 128, 128, 128, 12, 2,
+              "causal: block_n 176 wastes more of each diagonal block (499 vs 508 TFLOP/s); "
+              "161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True),
+    TuningRow(3, 256, 128, 64, 12, 2,
+              "O alone is 128 regs per consumer thread at head_dim 256, so block_n 64 keeps S at "
+              "32; 193 KB smem (block_n 96 does not fit 227 KB)",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, causal=False),
+    TuningRow(3, 256, 128, 64, 12, 2,
+              "causal: with ping-pong the mask code pushes a consumer past 240 regs (12 bytes "
+              "of spills); without it 0 spills at 511 vs 526 TFLOP/s measured with the spill",
+              warp_specialized=True, intra_wg_overlap=True),
+    # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
+    # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
+    # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation
+    # 1/4: MUFU does 16 exp2/clk/SM, the FMA pipe 128 ops/clk/SM and the polynomial costs ~7
+    # ops, so the pipes would balance near 1/2; the FMA pipe also carries the scale, max, sum
+    # and conversions, hence a conservative 1/4 until measured. ----
+    TuningRow(4, 64, 128, 128, 12, 4,
+              "S x2 + O = 320 TMEM columns (512 allocated); 148 KB smem: 4 stages of 32 KB K+V "
+              "hide TMA latency behind two blocks of MMA",
+              exp2_emulation=0.25, rescale_threshold=8.0),
+    TuningRow(4, 128, 128, 128, 12, 3,
+              "FA4 paper's 128x128 tile: S x2 + O = 384 TMEM columns; Q 32 KB + 3 stages x 64 KB "
+              "K+V = 227 KB minus 320 bytes: the deepest ring that fits",
+              exp2_emulation=0.25, rescale_threshold=8.0),
+    TuningRow(4, 256, 128, 64, 12, 2,
+              "block_n 128 would need 2 x 128 + 256 = 512 TMEM columns and 2 stages of 128 KB; "
+              "block_n 64: 384 columns, 199 KB smem at head_dim 256",
+              exp2_emulation=0.25, rescale_threshold=8.0),
 )
 
 
-def resolve_tile(fa_version: int, arch: Arch, head_dim: int) -> TuningRow:
-    """The first row of this algorithm's head-dim bucket that fits `arch`.
+def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = False) -> TuningRow:
+    """The first row of this algorithm's head-dim bucket that fits `arch` and the mask.
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = [r for r in TABLE if r.fa_version == fa_version and head_dim <= r.max_head_dim]
+    rows = [r for r in TABLE if r.fa_version == fa_version and head_dim <= r.max_head_dim
+            and r.causal in (None, causal)]
     if not rows:
         raise ValueError(
             f"tile: auto has no entry for fa_version={fa_version} at head_dim={head_dim}; "
@@ -59,7 +123,10 @@ def resolve_tile(fa_version: int, arch: Arch, head_dim: int) -> TuningRow:
     max_smem = ARCHS[arch].max_smem_per_block
     tried: list[str] = []
     for row in (r for r in rows if r.max_head_dim == bucket):
-        geometry = Fa2Geometry(head_dim, row.block_m, row.block_n, row.warps, row.stages)
+        tile = SimpleNamespace(**{"warp_specialized": False, "pingpong": False,
+                                  "intra_wg_overlap": False, "persistent": False,
+                                  **row.tile_fields()})
+        geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, tile)
         problems = geometry.problems(max_smem)
         if not problems:
             return row

@@ -38,6 +38,26 @@ typedef struct FagenFwdParams {
     float scale_log2;
 } FagenFwdParams;
 
+// A CUtensorMap (cuda.h) as an opaque, 64-byte-aligned blob: kernels built with NVRTC cannot
+// include cuda.h, and the layout is the driver's business anyway.
+typedef struct FagenTensorMap {
+#ifdef __cplusplus
+    alignas(64)
+#else
+    _Alignas(64)
+#endif
+    unsigned long long opaque[16];
+} FagenTensorMap;
+
+// The second parameter of the TMA kernels (FA3, FA4): tiled maps of Q, K and V over the 4-D
+// tensors (head_dim, seqlen, heads, batch), 128-byte swizzle, boxes of 64 columns and the
+// kernel's block_m (Q) or block_n (K, V) rows; the manifest's launch info gives the box rows.
+typedef struct FagenTmaMaps {
+    FagenTensorMap q;
+    FagenTensorMap k;
+    FagenTensorMap v;
+} FagenTmaMaps;
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,6 +37,16 @@ struct AttentionMask {
         return needs;
     }
 
+    // One past the last key query row `row` sees: keys [0, result) attend. For kernels whose
+    // thread owns whole rows (FA4: one TMEM lane per row).
+    __device__ __forceinline__ int key_end(int row) const {
+        int end = seqlen_k;
+        if constexpr (kCausal) {
+            end = min(end, row + causal_offset() + 1);
+        }
+        return end;
+    }
+
     // Sets masked scores to -inf in a row-pair fragment whose rows start at `row_base` and whose
     // columns start at `col_base` (absolute query / key indices).
     template <int kM, int kN>

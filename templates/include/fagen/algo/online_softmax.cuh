@@ -8,14 +8,52 @@
 //
 // Fully masked rows keep m = -inf. Using 0 as the subtrahend then keeps every exponent -inf
 // (probability 0) instead of NaN from (-inf) - (-inf).
+//
+// Conditional rescaling (FlashAttention-4): m need not be the true running maximum, only a
+// reference that O and l share. While a new block's maximum exceeds the reference by at most
+// kRescaleThreshold (base 2, scaled units: 8 = log2 256) the reference stays and the O / l
+// rescale is skipped; probabilities are then at most 2^threshold instead of 1, which fp32 O and
+// l absorb. Since both were accumulated against the same reference, O / l at the end is exact.
 #pragma once
+#include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/ptx/ex2.cuh"
 
 namespace fagen::algo {
 
+// The softmax options a kernel's Config may set (the same names): the defaults are plain
+// FlashAttention-2 (hardware exp2, rescale whenever the maximum grows).
+struct DefaultSoftmaxOptions {
+    static constexpr int kExp2EmulationPeriod = 0;  // see exp2_emulation.cuh: softmax_exp2
+    static constexpr bool kConditionalRescale = false;
+    static constexpr float kRescaleThreshold = 0.f;
+};
+
+struct ReferenceMax {
+    float value;    // the new reference maximum (raw score units)
+    float rescale;  // factor for O and l accumulated against the old reference
+};
+
+// The reference after a block whose maximum (including the old reference) is `block_max`.
+template <bool kConditional>
+__device__ __forceinline__ ReferenceMax next_reference_max(float reference, float block_max,
+                                                           float scale_log2, float threshold) {
+    if constexpr (kConditional) {
+        // -inf reference with a finite block: +inf > threshold, so the first real maximum is
+        // always taken. Both -inf: NaN compares false and the row stays empty.
+        if (!((block_max - reference) * scale_log2 > threshold)) return {reference, 1.f};
+    }
+    const float new_scaled = block_max == neg_inf() ? 0.f : block_max * scale_log2;
+    return {block_max, ptx::ex2_approx_ftz(reference * scale_log2 - new_scaled)};
+}
+
+// The subtrahend of the exponent for scores against `reference` (0 for an empty row).
+__device__ __forceinline__ float reference_scaled(float reference, float scale_log2) {
+    return reference == neg_inf() ? 0.f : reference * scale_log2;
+}
+
 // kM row-pair tiles -> 2*kM rows per thread.
-template <int kM>
+template <int kM, class Options = DefaultSoftmaxOptions>
 struct OnlineSoftmax {
     float row_max[kM][2];
     float row_sum[kM][2];  // partial: this thread's columns only, reduced in finalize()
@@ -31,10 +69,13 @@ struct OnlineSoftmax {
         }
     }
 
-    // Turns `scores` (raw, masked to -inf) into unnormalized probabilities and rescales `out`.
-    template <int kNS, int kNO>
-    __device__ __forceinline__ void step(float (&scores)[kM][kNS][4], float (&out)[kM][kNO][4],
-                                         float scale_log2) {
+    // Turns `scores` (raw, masked to -inf) into unnormalized probabilities, updates the row
+    // state, and returns in `rescale` the factor the output accumulator must be multiplied by.
+    // Split from rescale_output() so a kernel can scale O only once an MMA still writing it
+    // has finished.
+    template <int kNS>
+    __device__ __forceinline__ void update(float (&scores)[kM][kNS][4], float (&rescale)[kM][2],
+                                           float scale_log2) {
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -45,27 +86,57 @@ struct OnlineSoftmax {
                     block_max = fmaxf(block_max, fmaxf(scores[m][n][2 * h], scores[m][n][2 * h + 1]));
                 }
                 block_max = quad_max(block_max);
-                const float max_scaled = block_max == neg_inf() ? 0.f : block_max * scale_log2;
-                const float rescale = ptx::ex2_approx_ftz(row_max[m][h] * scale_log2 - max_scaled);
-                row_max[m][h] = block_max;
+                // block_max and row_max are equal across the quad, so is the decision.
+                const ReferenceMax next = next_reference_max<Options::kConditionalRescale>(
+                    row_max[m][h], block_max, scale_log2, Options::kRescaleThreshold);
+                rescale[m][h] = next.rescale;
+                row_max[m][h] = next.value;
+                const float max_scaled = reference_scaled(next.value, scale_log2);
                 float sum = 0.f;
 #pragma unroll
                 for (int n = 0; n < kNS; ++n) {
 #pragma unroll
                     for (int i = 0; i < 2; ++i) {
                         float& s = scores[m][n][2 * h + i];
-                        s = ptx::ex2_approx_ftz(fmaf(s, scale_log2, -max_scaled));
+                        s = softmax_exp2<Options::kExp2EmulationPeriod>(
+                            n, fmaf(s, scale_log2, -max_scaled));
                         sum += s;
                     }
                 }
-                row_sum[m][h] = row_sum[m][h] * rescale + sum;
-#pragma unroll
-                for (int n = 0; n < kNO; ++n) {
-                    out[m][n][2 * h] *= rescale;
-                    out[m][n][2 * h + 1] *= rescale;
-                }
+                row_sum[m][h] = row_sum[m][h] * rescale[m][h] + sum;
             }
         }
+    }
+
+    template <int kNO>
+    static __device__ __forceinline__ void rescale_output(float (&out)[kM][kNO][4],
+                                                          const float (&rescale)[kM][2]) {
+        if constexpr (Options::kConditionalRescale) {
+            bool needed = false;
+#pragma unroll
+            for (int m = 0; m < kM; ++m) needed = needed || rescale[m][0] != 1.f || rescale[m][1] != 1.f;
+            // Warp-uniform skip: the multiplies are cheap, the divergence would not be.
+            if (!__any_sync(0xffffffffu, needed)) return;
+        }
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+            for (int n = 0; n < kNO; ++n) {
+                out[m][n][0] *= rescale[m][0];
+                out[m][n][1] *= rescale[m][0];
+                out[m][n][2] *= rescale[m][1];
+                out[m][n][3] *= rescale[m][1];
+            }
+        }
+    }
+
+    // update() followed by rescale_output(), for kernels whose O is not in flight.
+    template <int kNS, int kNO>
+    __device__ __forceinline__ void step(float (&scores)[kM][kNS][4], float (&out)[kM][kNO][4],
+                                         float scale_log2) {
+        float rescale[kM][2];
+        update(scores, rescale, scale_log2);
+        rescale_output(out, rescale);
     }
 
     // Normalizes `out` by the row sums and returns each row's natural-log LSE in `lse`.

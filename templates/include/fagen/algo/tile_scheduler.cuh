@@ -1,11 +1,23 @@
-// Which query block a CTA of a (query blocks, heads, batch) grid computes.
+// Which (query block, head, batch) tile a CTA computes.
+//
+// Non-persistent grids are (query blocks, heads, batch): one tile per CTA. Persistent grids are
+// (min(tiles, SMs), 1, 1): each CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ..., so a
+// warp-specialized producer can load the next tile while the consumers finish the current one.
+//
+// Under a causal mask the last query blocks visit the most key blocks. The hardware hands out
+// CTAs (and a persistent CTA takes tiles) roughly in index order, so causal schedules run the
+// heaviest blocks first and the light ones fill the tail instead of leaving SMs idle behind one
+// long block.
 #pragma once
 
 namespace fagen::algo {
 
-// Under a causal mask the last query blocks visit the most key blocks. The hardware hands out
-// CTAs roughly in blockIdx order, so causal grids run the heaviest blocks first and the light
-// ones fill the tail of the wave instead of leaving SMs idle behind one long block.
+struct Tile {
+    int m_block;
+    int head;
+    int batch;
+};
+
 template <bool kCausal>
 __device__ __forceinline__ int query_block_index() {
     if constexpr (kCausal) {
@@ -14,5 +26,35 @@ __device__ __forceinline__ int query_block_index() {
         return static_cast<int>(blockIdx.x);
     }
 }
+
+template <bool kCausal, bool kPersistent>
+struct TileScheduler {
+    int m_blocks;
+    int heads;
+    int batch;
+
+    __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
+    __device__ __forceinline__ int first() const {
+        if constexpr (kPersistent) {
+            return static_cast<int>(blockIdx.x);
+        } else {
+            return static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+        }
+    }
+    __device__ __forceinline__ int stride() const {
+        return kPersistent ? static_cast<int>(gridDim.x) : total();
+    }
+
+    // Non-causal: query blocks innermost, so CTAs running together share one head's K/V in L2.
+    // Causal: query blocks outermost and descending, the heaviest tiles first.
+    __device__ __forceinline__ Tile tile(int index) const {
+        if constexpr (kCausal) {
+            const int head_batch = index % (heads * batch);
+            return {m_blocks - 1 - index / (heads * batch), head_batch % heads, head_batch / heads};
+        } else {
+            return {index % m_blocks, (index / m_blocks) % heads, index / (m_blocks * heads)};
+        }
+    }
+};
 
 }  // namespace fagen::algo

@@ -146,7 +146,7 @@ struct Forward {
             for (int n = 0; n < kOTiles; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc_o[m][n][i] = 0.f;
-        algo::OnlineSoftmax<kMTiles> softmax;
+        algo::OnlineSoftmax<kMTiles, Config> softmax;  // Config carries the softmax options
         softmax.init();
 
         for (int j = 0; j < n_blocks; ++j) {

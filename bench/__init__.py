@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.attention`, `python -m bench.cold_start`."""

@@ -1,0 +1,218 @@
+"""fagen forward against torch SDPA's FlashAttention-2 and cuDNN backends, same process, same run.
+
+Protocol (shared/BENCHMARKS.md): bf16, batch * seqlen = 16384 tokens, hidden 2048 (nheads =
+2048 / head_dim), layout (batch, seqlen, nheads, head_dim), FLOPs 4*b*h*sq*sk*d (halved when
+causal), median time of triton.testing.do_bench(warmup=25, rep=100).
+
+    python -m bench.attention [--seqlens 512,1024,...] [--head-dims 64,128,256]
+                              [--causal both|yes|no] [--json PATH] [--png PATH] [--bundle DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fagen
+from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
+
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128, 256)
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+MAX_ABS_DIFF_FLAG = 2e-2
+PEERS = {"FA2": SDPBackend.FLASH_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
+
+
+def _triton_do_bench():
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return None
+    return do_bench
+
+
+def timer_name() -> str:
+    if _triton_do_bench() is None:
+        return "CUDA events, median of 100 runs after 25 warmup (triton not importable)"
+    return "triton.testing.do_bench(warmup=25, rep=100, return_mode='median')"
+
+
+def median_ms(fn) -> float:
+    do_bench = _triton_do_bench()
+    if do_bench is None:
+        return _median_ms_cuda_events(fn)
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _median_ms_cuda_events(fn, warmup: int = 25, runs: int = 100) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def _sdpa(q, k, v, causal):
+    # SDPA takes (batch, heads, seq, dim); these are views of the flash-attn layout.
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+
+
+def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle) -> dict:
+    batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
+    q, k, v = (
+        torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+    row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "nheads": heads,
+           "tflops": {}, "ms": {}, "errors": {}}
+
+    def record(name, fn):
+        try:
+            ms = median_ms(fn)
+        except (RuntimeError, KernelNotFound) as exc:
+            row["errors"][name] = str(exc).splitlines()[0]
+            return
+        row["ms"][name] = ms
+        row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+
+    reference = None
+    try:
+        with sdpa_kernel(PEERS["FA2"]):
+            reference = _sdpa(q, k, v, causal).transpose(1, 2)
+    except RuntimeError as exc:
+        row["errors"]["reference"] = str(exc).splitlines()[0]
+    try:
+        out = flash_attn_func(q, k, v, causal=causal, bundle=bundle)
+        if reference is not None:
+            row["max_abs_diff_vs_FA2"] = (out.float() - reference.float()).abs().max().item()
+    except (RuntimeError, KernelNotFound) as exc:
+        row["errors"]["fagen"] = str(exc).splitlines()[0]
+    if "fagen" not in row["errors"]:
+        record("fagen", lambda: flash_attn_func(q, k, v, causal=causal, bundle=bundle))
+    for name, backend in PEERS.items():
+        with sdpa_kernel(backend):
+            record(name, lambda: _sdpa(q, k, v, causal))
+    return row
+
+
+def _fmt(value, width=7, digits=0):
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'fagen':>7} {'FA2':>7} {'cuDNN':>7} "
+              f"{'f/FA2':>6} {'f/cuDNN':>7} {'maxdiff':>8}")
+    lines = ["forward TFLOP/s (bf16, 16k tokens, hidden 2048)", header, "-" * len(header)]
+    for row in rows:
+        t = row["tflops"]
+        fagen_t, fa2, cudnn = t.get("fagen"), t.get("FA2"), t.get("cuDNN")
+        diff = row.get("max_abs_diff_vs_FA2")
+        flag = " !" if diff is not None and diff > MAX_ABS_DIFF_FLAG else ""
+        lines.append(
+            f"{row['head_dim']:>4} {'yes' if row['causal'] else 'no':>6} {row['seqlen']:>6} "
+            f"{_fmt(fagen_t)} {_fmt(fa2)} {_fmt(cudnn)} "
+            f"{_fmt(fagen_t / fa2 if fagen_t and fa2 else None, 6, 2)} "
+            f"{_fmt(fagen_t / cudnn if fagen_t and cudnn else None, 7, 2)} "
+            f"{_fmt(diff, 8, 4)}{flag}"
+        )
+    errors = [(row, name, text) for row in rows for name, text in row["errors"].items()]
+    for row, name, text in errors:
+        lines.append(f"  hd{row['head_dim']} {'causal' if row['causal'] else 'full'} s{row['seqlen']} {name}: {text}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
+    for ax, (head_dim, causal) in zip(axes[0], groups):
+        selected = [r for r in rows if r["head_dim"] == head_dim and r["causal"] == causal]
+        for name in ("fagen", "FA2", "cuDNN"):
+            points = [(r["seqlen"], r["tflops"][name]) for r in selected if name in r["tflops"]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hd{head_dim} {'causal' if causal else 'full'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1) for x in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fagen bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=_int_list, default=list(SEQLENS), help="e.g. 512,1k,16k")
+    parser.add_argument("--head-dims", type=_int_list, default=list(HEAD_DIMS))
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--bundle", default=None, help="bundle directory (default: $FAGEN_BUNDLE, then fagen's default)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON here")
+    parser.add_argument("--png", dest="png_path", default=None, help="plot here (needs matplotlib)")
+    parser.add_argument("--table", dest="table_path", default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("fagen bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    bundle = get_bundle(args.bundle)
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    rows = []
+    for head_dim in args.head_dims:
+        for causal in causal_values:
+            for seqlen in args.seqlens:
+                row = measure_shape(head_dim, causal, seqlen, bundle)
+                rows.append(row)
+                print(f"measured hd{head_dim} {'causal' if causal else 'full'} s{seqlen}: "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()), flush=True)
+
+    table = format_table(rows)
+    if args.json_path:
+        meta = {
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "fagen": fagen.__version__, "bundle": str(bundle.path), "python": platform.python_version(),
+            "timer": timer_name(),
+        }
+        with open(args.json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.png_path and not plot(rows, args.png_path):
+        print("fagen bench: matplotlib not importable, no plot written", file=sys.stderr)
+    if args.table_path:
+        with open(args.table_path, "w") as f:
+            f.write(table + "\n")
+    print(table)
+    flagged = [r for r in rows if r.get("max_abs_diff_vs_FA2", 0) > MAX_ABS_DIFF_FLAG]
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Every kernel of a bundle, timed against the peers on one shape per key: picks tiles and
+measures ablations (bench/sweep.yaml), since the adapter itself only ever runs the kernel
+the bundle selects.
+
+    python -m bench.tile_sweep --bundle DIR [--seqlen 4096] [--json PATH]
+
+Shape per key: bf16/fp16 as the key says, batch * seqlen = 16384 tokens, nheads = 2048 /
+head_dim (shared/BENCHMARKS.md). Each kernel's output is compared with SDPA's flash backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.attention import HIDDEN, MAX_ABS_DIFF_FLAG, PEERS, TOTAL_TOKENS, attention_flops, median_ms
+from fagen.runtime import launch_grid
+from fagen.torch.adapter import _kernel_ready, fwd_params, get_bundle, tma_maps
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parse_key(key: str) -> tuple[torch.dtype, int, bool]:
+    _, dtype, hd, mask = key.split("/")
+    return DTYPES[dtype], int(hd[2:]), mask == "causal"
+
+
+def _launcher(bundle, entry, q, k, v, out, lse, scale):
+    kernel = bundle.kernel(entry)
+    batch, seqlen_q, heads, _ = q.shape
+    grid = launch_grid(entry, seqlen_q, heads, batch, q.device.index)
+    uses_tma = entry.launch.tma_q_rows > 0
+    q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
+    params = fwd_params(q, k, v, out, lse, scale)
+    extra = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run():
+        kernel.launch(params, grid, stream, device=q.device.index, extra_params=extra)
+
+    return run
+
+
+def _tile(entry) -> str:
+    return entry.name.split(f"_{entry.key.split('/')[-1]}_", 1)[1].rsplit("_", 1)[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", required=True)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args(argv)
+
+    bundle = get_bundle(args.bundle)
+    cc = torch.cuda.get_device_capability()
+    by_key = defaultdict(list)
+    for entry in bundle.kernels:
+        if entry.compute_capability[0] == cc[0] and (not entry.arch_specific or tuple(entry.compute_capability) == cc):
+            by_key[entry.key].append(entry)
+
+    rows = []
+    for key in sorted(by_key):
+        dtype, head_dim, causal = _parse_key(key)
+        seqlen = args.seqlen
+        batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        peer_tflops = {}
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            reference = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        for name, backend in PEERS.items():
+            with sdpa_kernel(backend):
+                peer_tflops[name] = tflops(flops, median_ms(
+                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+        for entry in sorted(by_key[key], key=lambda e: (e.fa_version, e.name)):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
+            run = _launcher(bundle, entry, q, k, v, out, lse, 1.0 / math.sqrt(head_dim))
+            run()
+            torch.cuda.synchronize()
+            diff = (out.float() - reference.float()).abs().max().item()
+            value = tflops(flops, median_ms(run)) if diff <= MAX_ABS_DIFF_FLAG else float("nan")
+            rows.append({"key": key, "fa": entry.fa_version, "tile": _tile(entry), "seqlen": seqlen,
+                         "tflops": value, "max_abs_diff": diff, **{f"{n}_tflops": t for n, t in peer_tflops.items()}})
+            r = rows[-1]
+            print(f"{key:24s} fa{r['fa']} {r['tile']:28s} {value:7.1f} TFLOP/s  "
+                  f"x{value / peer_tflops['FA2']:.2f} FA2  x{value / peer_tflops['cuDNN']:.2f} cuDNN  "
+                  f"(FA2 {peer_tflops['FA2']:.0f}, cuDNN {peer_tflops['cuDNN']:.0f}; diff {diff:.2e})",
+                  flush=True)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

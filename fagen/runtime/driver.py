@@ -1,0 +1,215 @@
+"""The only module that talks to the CUDA driver (cuda.bindings.driver); everything else in fagen
+goes through these helpers.
+
+Kernels are loaded with the context-independent library API (cuLibraryLoadData,
+cuLibraryGetKernel) and launched as CUkernel handles with cuLaunchKernelEx, which runs them in
+the calling thread's current context. In a torch process that context is the device's primary
+context, which torch's runtime calls created; we use it and only retain/set it ourselves on
+threads where no context is current (or where another device's is).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+from cuda.bindings import driver as cu
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed; carries the driver's error name and description."""
+
+    def __init__(self, call: str, code: int, name: str, description: str):
+        super().__init__(f"{call} failed: {name} ({description})")
+        self.call = call
+        self.code = code
+        self.name = name
+
+
+def _error_text(err) -> tuple[str, str]:
+    name = getattr(err, "name", str(err))
+    try:
+        described, text = cu.cuGetErrorString(err)
+    except RuntimeError:  # no driver library to ask
+        return name, "no description"
+    return name, text.decode() if int(described) == 0 and text else "no description"
+
+
+def check(call: str, result):
+    """Unpack a cuda.bindings return tuple ``(CUresult, *values)``; raise DriverError on failure.
+
+    Returns None, the single value, or a tuple of values.
+    """
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        name, text = _error_text(err)
+        raise DriverError(call, int(err), name, text)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_init_lock = threading.Lock()
+_initialized = False
+# Primary contexts we retained, by device ordinal; never released: a context torch also uses
+# must outlive every fagen kernel, and retaining is reference-counted, so this costs nothing.
+_primary_contexts: dict[int, int] = {}
+# Device of every context seen current, so a launch costs one driver query (cuCtxGetCurrent).
+_context_devices: dict[int, int] = {}
+
+
+def init() -> None:
+    global _initialized
+    if _initialized:
+        return
+    with _init_lock:
+        if not _initialized:
+            check("cuInit", cu.cuInit(0))
+            _initialized = True
+
+
+def device_handle(ordinal: int):
+    init()
+    return check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+
+
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    dev = device_handle(ordinal)
+    attr = cu.CUdevice_attribute
+    major = check(
+        "cuDeviceGetAttribute",
+        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+    )
+    minor = check(
+        "cuDeviceGetAttribute",
+        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+    )
+    return int(major), int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(ordinal: int) -> int:
+    """SMs of device `ordinal` (persistent kernels launch one CTA per SM)."""
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    return int(check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr, device_handle(ordinal))))
+
+
+def current_device() -> int | None:
+    """Ordinal of the device of the calling thread's current context, None if there is none."""
+    init()
+    ctx = check("cuCtxGetCurrent", cu.cuCtxGetCurrent())
+    if int(ctx) == 0:
+        return None
+    return int(check("cuCtxGetDevice", cu.cuCtxGetDevice()))
+
+
+def ensure_context(ordinal: int) -> None:
+    """Make sure the calling thread has a current context on device `ordinal`.
+
+    Keeps whatever context is current when it belongs to that device (torch's primary context,
+    or one the caller made); otherwise makes the device's primary context current, the one
+    torch and the CUDA runtime share.
+    """
+    init()
+    ctx = int(check("cuCtxGetCurrent", cu.cuCtxGetCurrent()))
+    if ctx != 0:
+        if ctx not in _context_devices:
+            _context_devices[ctx] = int(check("cuCtxGetDevice", cu.cuCtxGetDevice()))
+        if _context_devices[ctx] == ordinal:
+            return
+    with _init_lock:
+        if ordinal not in _primary_contexts:
+            primary = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device_handle(ordinal)))
+            _primary_contexts[ordinal] = int(primary)
+            _context_devices[int(primary)] = ordinal
+    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(cu.CUcontext(_primary_contexts[ordinal])))
+
+
+def load_library(image: bytes):
+    """Load a cubin image; the driver loads it into each context lazily, on first use."""
+    init()
+    return check("cuLibraryLoadData", cu.cuLibraryLoadData(image, None, None, 0, None, None, 0))
+
+
+def get_kernel(library, symbol: str):
+    return check(f"cuLibraryGetKernel({symbol})", cu.cuLibraryGetKernel(library, symbol.encode()))
+
+
+def set_max_dynamic_smem(kernel, nbytes: int, ordinal: int) -> None:
+    """Opt the kernel into `nbytes` of dynamic shared memory on one device (above 48 KB the
+    driver refuses a launch without this). Device-wide, so done once per kernel at load: setting
+    it around each launch would race with launches from other threads."""
+    check(
+        "cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+        cu.cuKernelSetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            nbytes,
+            kernel,
+            device_handle(ordinal),
+        ),
+    )
+
+
+_TMA_DATA_TYPES = {
+    "fp16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+}
+TENSOR_MAP_BYTES = 128
+
+
+def encode_tiled_tensor_map(
+    dtype: str, address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...], box: tuple[int, ...]
+) -> bytes:
+    """The 128-byte CUtensorMap for TMA tiled loads of `box`-shaped tiles with the 128-byte
+    swizzle; `dims` and `box` innermost first, `byte_strides` for dims[1:]. Out-of-bounds
+    elements read as zero."""
+    init()
+    tensor_map = check(
+        "cuTensorMapEncodeTiled",
+        cu.cuTensorMapEncodeTiled(
+            _TMA_DATA_TYPES[dtype],
+            len(dims),
+            address,
+            [cu.cuuint64_t(d) for d in dims],
+            [cu.cuuint64_t(s) for s in byte_strides],
+            [cu.cuuint32_t(b) for b in box],
+            [cu.cuuint32_t(1)] * len(dims),
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        ),
+    )
+    return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
+
+
+def kernel_param_array(*params: ctypes.Array | ctypes.Structure) -> tuple[ctypes.Array, int]:
+    """The ``void*[]`` the driver wants: one pointer to each by-value parameter's bytes.
+
+    Returns the array (keep it, and `params`, alive until the launch call returns; the driver
+    copies the parameter bytes during the call) and its address, which cuda.bindings takes as
+    the ready-made ``void**``.
+    """
+    pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+    return pointers, ctypes.addressof(pointers)
+
+
+def launch(
+    kernel,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    dynamic_smem: int,
+    stream: int,
+    params: tuple[ctypes.Array | ctypes.Structure, ...],
+) -> None:
+    """Launch `kernel` with `params`, the kernel's by-value parameters in order."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = dynamic_smem
+    config.hStream = cu.CUstream(stream)
+    config.numAttrs = 0
+    # `pointers` is only held so the array outlives the call that reads it.
+    pointers, address = kernel_param_array(*params)  # noqa: F841
+    check("cuLaunchKernelEx", cu.cuLaunchKernelEx(config, kernel, address, 0))

@@ -1,0 +1,225 @@
+"""Open a bundle, pick the cubin for a device, load it lazily and launch it.
+
+Selection uses only what the manifest says about each entry (``compute_capability``,
+``arch_specific``), not fagen.spec, so that this path needs neither pydantic nor Jinja.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+from .. import paths
+from ..bundle.format import BundleError, KernelEntry, Manifest, read_manifest, read_verified_cubin
+from ..bundle.pack import unpack_cached
+from . import driver
+
+
+def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int) -> tuple[int, int, int]:
+    """The grid for a launch of `entry`: (query blocks, heads, batch), or for a persistent
+    kernel one CTA per SM, up to the number of tiles."""
+    m_blocks = -(-seqlen_q // entry.launch.block_m)
+    if entry.launch.persistent:
+        return (min(m_blocks * heads_q * batch, driver.multiprocessor_count(device)), 1, 1)
+    return (m_blocks, heads_q, batch)
+
+
+class KernelNotFound(LookupError):
+    """No kernel in the bundle has the requested key and runs on the device."""
+
+
+def runs_on(entry: KernelEntry, compute_capability: tuple[int, int]) -> bool:
+    """Whether the entry's cubin runs on a device of `compute_capability`.
+
+    SASS is compatible only within a major version (an sm_80 cubin does not run on sm_90), and
+    arch-specific ("a") cubins only on exactly their compute capability.
+    """
+    major, minor = entry.compute_capability
+    if entry.arch_specific:
+        return (major, minor) == tuple(compute_capability)
+    return compute_capability[0] == major and compute_capability[1] >= minor
+
+
+def _preference(entry: KernelEntry) -> tuple:
+    # Newer algorithm first, then the cubin built for the closest (highest) compute capability
+    # the device runs, then the arch-specific build of that capability.
+    return (entry.fa_version, tuple(entry.compute_capability), entry.arch_specific)
+
+
+def select(
+    entries: tuple[KernelEntry, ...] | list[KernelEntry],
+    key: str,
+    compute_capability: tuple[int, int],
+    bundle_dir: str | Path = "<bundle>",
+) -> KernelEntry:
+    candidates = [e for e in entries if e.key == key and runs_on(e, compute_capability)]
+    if not candidates:
+        raise KernelNotFound(_not_found_message(entries, key, compute_capability, bundle_dir))
+    return max(candidates, key=_preference)
+
+
+def _parse_key(key: str) -> dict | None:
+    """``fwd/bf16/hd128/causal`` -> its fields; None when the key has another shape."""
+    parts = key.split("/")
+    if len(parts) != 4 or not parts[2].startswith("hd") or not parts[2][2:].isdigit():
+        return None
+    direction, dtype, head_dim, mask = parts
+    if mask not in ("causal", "full"):
+        return None
+    return {"direction": direction, "dtype": dtype, "head_dim": int(head_dim[2:]), "causal": mask == "causal"}
+
+
+def _compact_keys(keys: set[str]) -> str:
+    """Group keys that differ only in head dim: ``fwd/bf16/hd{64,128}/causal``."""
+    head_dims: dict[tuple, list[int]] = defaultdict(list)
+    others = []
+    for key in keys:
+        fields = _parse_key(key)
+        if fields is None:
+            others.append(key)
+            continue
+        group = (fields["direction"], fields["dtype"], "causal" if fields["causal"] else "full")
+        head_dims[group].append(fields["head_dim"])
+    grouped = []
+    for (direction, dtype, mask), dims in sorted(head_dims.items()):
+        dims_text = ",".join(str(d) for d in sorted(dims))
+        grouped.append(f"{direction}/{dtype}/hd{{{dims_text}}}/{mask}" if len(dims) > 1
+                       else f"{direction}/{dtype}/hd{dims_text}/{mask}")
+    return ", ".join(grouped + sorted(others))
+
+
+def _arch_for(compute_capability: tuple[int, int]) -> str:
+    # The plain (non-"a") target: FA2 runs on any sm80+ arch and its cubin also covers later
+    # minor revisions.
+    return f"sm{compute_capability[0]}{compute_capability[1]}"
+
+
+def _not_found_message(entries, key: str, compute_capability: tuple[int, int], bundle_dir) -> str:
+    cc_text = f"{compute_capability[0]}.{compute_capability[1]}"
+    lines = [f"no kernel for {key!r} on a compute capability {cc_text} device in bundle {bundle_dir}."]
+    by_arch: dict[str, set[str]] = defaultdict(set)
+    for entry in entries:
+        by_arch[f"{entry.arch} (fa{entry.fa_version})"].add(entry.key)
+    if by_arch:
+        lines.append("The bundle holds:")
+        lines.extend(f"  {arch}: {_compact_keys(keys)}" for arch, keys in sorted(by_arch.items()))
+    else:
+        lines.append("The bundle holds no kernels.")
+    elsewhere = sorted({e.arch for e in entries if e.key == key})
+    if elsewhere:
+        lines.append(
+            f"{key!r} is built only for {', '.join(elsewhere)}, which does not run on {cc_text} "
+            "(a cubin runs only on its own major version; 'a' targets only on exactly their "
+            "compute capability)."
+        )
+    fields = _parse_key(key)
+    if fields is not None:
+        snippet = (
+            f"{{fa_version: 2, arch: {_arch_for(compute_capability)}, direction: {fields['direction']}, "
+            f"dtype: {fields['dtype']}, head_dim: {fields['head_dim']}, "
+            f"causal: {'true' if fields['causal'] else 'false'}}}"
+        )
+        lines.append(
+            f"To add it, put this entry under `kernels:` in your spec: {snippet} "
+            f"and run `fagen build SPEC -o {bundle_dir}`."
+        )
+    return "\n".join(lines)
+
+
+class LoadedKernel:
+    """One kernel of a bundle, loaded into the driver; prepared per device on first launch."""
+
+    def __init__(self, entry: KernelEntry, image: bytes):
+        self.entry = entry
+        # The image stays referenced for the library's lifetime: with lazy loading the driver
+        # may read it after cuLibraryLoadData returns.
+        self._image = image
+        self._library = driver.load_library(image)
+        self._kernel = None
+        self._ready_devices: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _prepare(self, device: int) -> None:
+        with self._lock:
+            if device in self._ready_devices:
+                return
+            if self._kernel is None:
+                self._kernel = driver.get_kernel(self._library, self.entry.name)
+            driver.set_max_dynamic_smem(self._kernel, self.entry.launch.dynamic_smem, device)
+            self._ready_devices.add(device)
+
+    def launch(
+        self,
+        params: ctypes.Structure,
+        grid: tuple[int, int, int],
+        stream: int,
+        device: int | None = None,
+        extra_params: tuple[ctypes.Array | ctypes.Structure, ...] = (),
+    ) -> None:
+        """Launch on `stream` (a CUstream handle as an int, e.g. torch's ``cuda_stream``) of
+        device `device` (default: the current context's device, else 0). `params` is the
+        FagenFwdParams; TMA kernels take their tensor maps as `extra_params`."""
+        if device is None:
+            device = driver.current_device() or 0
+        driver.ensure_context(device)
+        if device not in self._ready_devices:
+            self._prepare(device)
+        launch = self.entry.launch
+        driver.launch(
+            self._kernel, grid, (launch.threads, 1, 1), launch.dynamic_smem, stream, (params, *extra_params)
+        )
+
+
+class Bundle:
+    """A bundle directory: its manifest, kernel selection, and lazily loaded kernels."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+        self.manifest: Manifest = read_manifest(self.path)
+        self._loaded: dict[str, LoadedKernel] = {}
+        self._selected: dict[tuple, KernelEntry] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def kernels(self) -> list[KernelEntry]:
+        return list(self.manifest.kernels)
+
+    def select(self, key: str, compute_capability: tuple[int, int]) -> KernelEntry:
+        """The best entry with exactly `key` that runs on `compute_capability`; raises
+        KernelNotFound (saying what the bundle holds and how to add the kernel) otherwise."""
+        request = (key, tuple(compute_capability))
+        entry = self._selected.get(request)
+        if entry is None:
+            entry = self._selected[request] = select(self.manifest.kernels, key, request[1], self.path)
+        return entry
+
+    def kernel(self, entry: KernelEntry) -> LoadedKernel:
+        """The loaded kernel for `entry`, reading and verifying its cubin on first use."""
+        loaded = self._loaded.get(entry.name)
+        if loaded is not None:
+            return loaded
+        with self._lock:
+            if entry.name not in self._loaded:
+                image = read_verified_cubin(self.path, entry)
+                self._loaded[entry.name] = LoadedKernel(entry, image)
+            return self._loaded[entry.name]
+
+    def __repr__(self) -> str:
+        return f"Bundle({str(self.path)!r}, {len(self.manifest.kernels)} kernels)"
+
+
+def load(path: str | Path | None = None) -> Bundle:
+    """Open the bundle at `path` (default: fagen.paths.default_bundle_dir()): a bundle directory
+    or a file made by `fagen pack`, which is checked and extracted once into a cache directory
+    keyed by its sha256 (fagen.bundle.pack).
+
+    Raises BundleError for a missing bundle, a newer schema, another kernel ABI version or a
+    packed file whose members do not match their checksums.
+    """
+    path = paths.default_bundle_dir() if path is None else Path(path)
+    return Bundle(unpack_cached(path) if path.is_file() else path)
+
+
+__all__ = ["Bundle", "BundleError", "KernelNotFound", "LoadedKernel", "load", "runs_on", "select"]

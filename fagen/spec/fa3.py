@@ -1,0 +1,134 @@
+"""Geometry of the FA3 forward kernel (wgmma + TMA, sm90a), computed once here.
+
+Validation rejects tiles that cannot fit; codegen passes the same numbers to the template,
+which re-checks them with static_assert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
+
+ELEMENT_BYTES = 2
+SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
+TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box / wgmma atom is 64 fp16/bf16 columns wide
+CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
+# wgmma N values fagen/codegen/ptx_wrappers.py generates wrappers for: the block_n and
+# head_dim values the tuning table uses.
+WGMMA_N = (64, 96, 128, 176, 192, 256)
+
+# Registers after setmaxnreg (FlashAttention-3 paper, section 3.1: the producer needs almost
+# none). 24 + 2 x 240 per thread-slot of 128 threads = 504 x 128 <= 64K registers.
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+# Registers of a consumer thread beyond S, O and P: softmax state, descriptors, loop state.
+REGISTER_OVERHEAD = 40
+MBARRIERS_PER_STAGE = 4  # k_full, k_empty, v_full, v_empty
+MBARRIERS_FOR_Q = 2  # q_full, q_empty
+
+
+@dataclass(frozen=True)
+class Fa3Geometry:
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    warp_specialized: bool
+    pingpong: bool
+    intra_wg_overlap: bool
+    persistent: bool
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // CONSUMER_ROWS
+
+    @property
+    def expected_warps(self) -> int:
+        return 4 * (self.consumers + (1 if self.warp_specialized else 0))
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_q_offset(self) -> int:
+        return 0
+
+    @property
+    def smem_k_offset(self) -> int:
+        return self.block_m * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_kv_tile_bytes(self) -> int:
+        return self.block_n * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_v_offset(self) -> int:
+        return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_barrier_offset(self) -> int:
+        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        barriers = 8 * (MBARRIERS_FOR_Q + MBARRIERS_PER_STAGE * self.stages)
+        # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
+        return self.smem_barrier_offset + barriers + SWIZZLE_ATOM_BYTES
+
+    @property
+    def consumer_registers(self) -> int:
+        return CONSUMER_REGISTERS if self.warp_specialized else MAX_REGISTERS_PER_THREAD
+
+    @property
+    def estimated_registers(self) -> int:
+        """Per consumer thread: O and S accumulators and the P fragments (with intra-warpgroup
+        overlap, P of block j-1 is live while S of block j accumulates: that is this term)."""
+        acc_o = self.head_dim // 2
+        acc_s = self.block_n // 2
+        p_fragments = self.block_n // 4
+        return acc_o + acc_s + p_fragments + REGISTER_OVERHEAD
+
+    def problems(self, max_smem: int) -> list[str]:
+        out: list[str] = []
+        if self.head_dim % TMA_COLUMNS or self.head_dim not in WGMMA_N:
+            out.append(
+                f"head_dim={self.head_dim}: the FA3 template needs a multiple of {TMA_COLUMNS} "
+                f"(128-byte swizzle atoms) that is a wgmma N in {WGMMA_N}"
+            )
+        if self.block_m % CONSUMER_ROWS or self.consumers not in (1, 2):
+            out.append(f"tile.block_m={self.block_m}: must be 64 or 128 (one or two consumer warpgroups)")
+        if self.block_n not in WGMMA_N:
+            out.append(f"tile.block_n={self.block_n}: must be a wgmma N in {WGMMA_N}")
+        if not out and self.warps != self.expected_warps:
+            out.append(
+                f"tile.warps={self.warps}: block_m={self.block_m} with warp_specialized="
+                f"{self.warp_specialized} needs {self.expected_warps} warps"
+            )
+        if self.persistent and not self.warp_specialized:
+            out.append("tile.persistent: needs warp_specialized (the producer loads the next tile)")
+        if self.pingpong and self.consumers != 2:
+            out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
+        if not (2 <= self.stages <= 4):
+            out.append(f"tile.stages={self.stages}: must be in [2, 4]")
+        if out:
+            return out
+        if self.smem_bytes > max_smem:
+            out.append(
+                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
+                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
+                f"the arch allows {max_smem}"
+            )
+        if self.estimated_registers > self.consumer_registers:
+            out.append(
+                f"tile (block_n={self.block_n}) needs about {self.estimated_registers} registers "
+                f"per consumer thread at head_dim={self.head_dim}; consumers get "
+                f"{self.consumer_registers}"
+            )
+        if self.warp_specialized:
+            total = 128 * (PRODUCER_REGISTERS + self.consumers * CONSUMER_REGISTERS)
+            if total > REGISTERS_PER_SM:
+                out.append(f"setmaxnreg split needs {total} registers; an SM has {REGISTERS_PER_SM}")
+        return out

@@ -1,0 +1,131 @@
+"""Geometry of the FA4 forward kernel (tcgen05 + TMEM + TMA, sm100a), computed once here.
+
+Validation rejects tiles that cannot fit shared memory or Tensor Memory; codegen passes the same
+numbers to the template, which re-checks them with static_assert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ELEMENT_BYTES = 2
+SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
+TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box is 64 fp16/bf16 columns wide
+BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
+# Role warps (templates/include/fagen/fa4/forward.cuh): 4 softmax, 4 correction, then load, MMA
+# and 2 idle warps completing the third warpgroup (setmaxnreg acts on whole warpgroups).
+WARPS = 12
+TMEM_COLUMNS = 512  # TMEM per SM: 128 lanes x 512 columns of 32 bits
+STAGE_RANGE = (2, 6)
+# K and V of one stage: k_full, k_empty, v_full, v_empty.
+MBARRIERS_PER_STAGE = 4
+# q_full, s_full x2, p_full x2, scale_full x2, o_ready, pv_done, stats_full.
+FIXED_MBARRIERS = 10
+# After the mbarriers: the TMEM address (16 bytes keep the floats aligned), then per query row
+# two rescale factors in flight and the final row sum.
+TMEM_SLOT_BYTES = 16
+ROW_FLOATS = 3
+# Registers after setmaxnreg, per thread of each warpgroup. Softmax holds a whole S row
+# (block_n fp32) plus 16 packed P values and its state: at 168 (the even split of 64K over 384
+# threads) block_n 128 spilled 12 bytes. Correction needs 16 O values and 8 packed outputs at a
+# time; the load and MMA lanes need addresses and loop state only.
+# 128 x (240 + 96 + 56) = 50176 <= 64K registers.
+SOFTMAX_REGISTERS = 240
+CORRECTION_REGISTERS = 96
+CONTROL_REGISTERS = 56
+MAX_BLOCK_N = 128  # a 256-column S row would not fit SOFTMAX_REGISTERS
+MAX_HEAD_DIM = 256  # tcgen05.mma N <= 256 for O += P V
+
+
+def tmem_allocation(columns: int) -> int:
+    """tcgen05.alloc takes a power of two in [32, 512]."""
+    allocation = 32
+    while allocation < columns:
+        allocation *= 2
+    return allocation
+
+
+@dataclass(frozen=True)
+class Fa4Geometry:
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_q_offset(self) -> int:
+        return 0
+
+    @property
+    def smem_k_offset(self) -> int:
+        return self.block_m * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_kv_tile_bytes(self) -> int:
+        return self.block_n * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_v_offset(self) -> int:
+        return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_barrier_offset(self) -> int:
+        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_control_bytes(self) -> int:
+        barriers = 8 * (FIXED_MBARRIERS + MBARRIERS_PER_STAGE * self.stages)
+        return barriers + TMEM_SLOT_BYTES + ROW_FLOATS * self.block_m * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
+        return self.smem_barrier_offset + self.smem_control_bytes + SWIZZLE_ATOM_BYTES
+
+    @property
+    def tmem_columns_used(self) -> int:
+        """Two fp32 S buffers (P aliases them) and the fp32 O accumulator."""
+        return 2 * self.block_n + self.head_dim
+
+    @property
+    def tmem_columns(self) -> int:
+        return tmem_allocation(self.tmem_columns_used)
+
+    def problems(self, max_smem: int) -> list[str]:
+        out: list[str] = []
+        if self.head_dim % TMA_COLUMNS or self.head_dim > MAX_HEAD_DIM:
+            out.append(
+                f"head_dim={self.head_dim}: the FA4 template needs a multiple of {TMA_COLUMNS} "
+                f"(128-byte swizzle atoms) up to {MAX_HEAD_DIM} (tcgen05.mma N)"
+            )
+        if self.block_m != BLOCK_M:
+            out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (one M=128 MMA, a TMEM "
+                       "lane per query row)")
+        if self.block_n % 32 or not (32 <= self.block_n <= MAX_BLOCK_N):
+            out.append(f"tile.block_n={self.block_n}: must be a multiple of 32 in [32, "
+                       f"{MAX_BLOCK_N}] (softmax holds a whole S row in registers)")
+        if self.warps != WARPS:
+            out.append(f"tile.warps={self.warps}: the FA4 role table has {WARPS} warps "
+                       "(4 softmax, 4 correction, load, MMA, 2 idle)")
+        if not (STAGE_RANGE[0] <= self.stages <= STAGE_RANGE[1]):
+            out.append(f"tile.stages={self.stages}: must be in [{STAGE_RANGE[0]}, {STAGE_RANGE[1]}]")
+        if out:
+            return out
+        if self.tmem_columns_used > TMEM_COLUMNS:
+            out.append(
+                f"tile (block_n={self.block_n}) needs {self.tmem_columns_used} TMEM columns at "
+                f"head_dim={self.head_dim} (2 x block_n for S, head_dim for O); an SM has "
+                f"{TMEM_COLUMNS}"
+            )
+        if self.smem_bytes > max_smem:
+            out.append(
+                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
+                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
+                f"the arch allows {max_smem}"
+            )
+        return out

@@ -1,0 +1,489 @@
+// FlashAttention-3 forward on Hopper (sm_90a): TMA loads into an mbarrier-guarded shared-memory
+// ring, wgmma with fp32 accumulators in registers, warp specialization with register
+// reallocation, optional ping-pong scheduling between the two consumer warpgroups and optional
+// intra-warpgroup overlap of softmax with the next Q K^T (FlashAttention-3 paper, sections 3.1
+// and 3.2). Each feature is a Config flag so its effect can be measured alone.
+//
+// Roles (warpgroup = 128 threads):
+//   producer  (warpgroup 0, when kWarpSpecialized): one thread issues every TMA load.
+//   consumers (the others, 64 query rows each): S = Q K^T (wgmma, both operands in shared
+//             memory), online softmax, O += P V (wgmma, P from registers), epilogue.
+// Without warp specialization the consumers are the whole CTA and thread 0 issues the loads
+// between its own MMAs. Persistent kernels (kPersistent, warp-specialized only) walk several
+// tiles per CTA: the producer loads the next tile's Q and K/V while the consumers still compute
+// and store the current one; ring positions and barrier phases run on across tiles.
+//
+// Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): Q, then kStages K
+// tiles, then kStages V tiles, then the mbarriers. A tile of R rows x head_dim columns is
+// head_dim/64 column chunks, each R rows of 128 bytes, as TMA writes them.
+#pragma once
+
+#include "fagen/algo/mask.cuh"
+#include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/tile_scheduler.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+#include "fagen/ptx/bar.cuh"
+#include "fagen/ptx/cp_async_bulk_tensor.cuh"
+#include "fagen/ptx/fence.cuh"
+#include "fagen/ptx/mbarrier.cuh"
+#include "fagen/ptx/setmaxnreg.cuh"
+#include "fagen/ptx/wgmma.cuh"
+#include "fagen/ptx/wgmma_desc.cuh"
+#include "fagen/ptx/wgmma_sync.cuh"
+#include "fagen/types.cuh"
+
+namespace fagen::fa3 {
+
+// Named barrier ids; 0 is __syncthreads.
+enum NamedBarrier : int {
+    kSchedulerBarrierBase = 1,  // + consumer index: "your turn to issue MMAs" (ping-pong)
+};
+
+template <class Config>
+struct Forward {
+    using Element = typename Config::Element;
+    using Ops = fa2::ElementOps<Element>;
+
+    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kBlockM = Config::kBlockM;
+    static constexpr int kBlockN = Config::kBlockN;
+    static constexpr int kStages = Config::kStages;
+    static constexpr int kConsumers = kBlockM / 64;
+    static constexpr int kConsumerThreads = kConsumers * 128;
+    static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks
+    static constexpr int kSTiles = kBlockN / 8;          // n8 tiles of S per warp
+    static constexpr int kOTiles = kHeadDim / 8;         // n8 tiles of O per warp
+    static constexpr int kPSteps = kBlockN / 16;         // k16 steps of P V
+    static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes
+
+    static_assert(kBlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 2);
+    static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
+    static_assert(kBlockN % 16 == 0);
+    static_assert(Config::kThreads == (kConsumers + (Config::kWarpSpecialized ? 1 : 0)) * 128);
+    static_assert(!Config::kPingpong || kConsumers == 2, "ping-pong alternates two consumers");
+    static_assert(Config::kSmemQOffset % kSwizzleAtomBytes == 0 &&
+                  Config::kSmemKOffset % kSwizzleAtomBytes == 0 &&
+                  Config::kSmemVOffset % kSwizzleAtomBytes == 0);
+    static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQBytes);
+    static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
+    static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
+    static_assert(!Config::kPersistent || Config::kWarpSpecialized,
+                  "only a producer warpgroup can load the next tile ahead");
+
+    struct Smem {
+        uint32_t q, k, v;  // shared addresses of the tiles
+        uint32_t bar;      // first mbarrier
+
+        // mbarriers, 8 bytes each: q_full, q_empty, then per stage k_full, k_empty, v_full,
+        // v_empty.
+        __device__ uint32_t q_full() const { return bar; }
+        __device__ uint32_t q_empty() const { return bar + 8; }
+        __device__ uint32_t k_full(int s) const { return bar + 8 * (2 + 4 * s); }
+        __device__ uint32_t k_empty(int s) const { return bar + 8 * (3 + 4 * s); }
+        __device__ uint32_t v_full(int s) const { return bar + 8 * (4 + 4 * s); }
+        __device__ uint32_t v_empty(int s) const { return bar + 8 * (5 + 4 * s); }
+        __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
+        __device__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+    };
+
+    using Scheduler = algo::TileScheduler<Config::kCausal, Config::kPersistent>;
+
+    struct Work {
+        int head, batch, kv_head, row_begin, n_blocks;
+    };
+
+    static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
+                                                     int index) {
+        const algo::Tile t = sched.tile(index);
+        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        Work w;
+        w.head = t.head;
+        w.batch = t.batch;
+        w.kv_head = t.head / (prm.heads_q / prm.heads_kv);
+        w.row_begin = t.m_block * kBlockM;
+        w.n_blocks = mask.key_blocks(w.row_begin, kBlockM, kBlockN);
+        return w;
+    }
+
+    // ---------------------------------------------------------------- producer
+    // Q of a tile, once the consumers released the previous tile's Q (`tile_count` = tiles this
+    // CTA loaded before).
+    static __device__ __forceinline__ void load_q(const FagenTmaMaps& maps, const Smem& s,
+                                                  const Work& w, int tile_count) {
+        ptx::mbarrier_wait_parity(s.q_empty(), (tile_count & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(s.q_full(), kQBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(
+                s.q + c * kBlockM * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.q),
+                s.q_full(), c * 64, w.row_begin, w.head, w.batch);
+        }
+    }
+
+    // K and V of the j-th visited key block of a tile into ring position `ring` (slot
+    // ring % kStages), once consumers have released the slot's previous contents.
+    static __device__ __forceinline__ void load_kv(const FagenTmaMaps& maps, const Smem& s,
+                                                   const Work& w, int j, int ring) {
+        const int slot = ring % kStages;
+        const uint32_t empty_parity = ((ring / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
+        const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
+        ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
+        ptx::mbarrier_arrive_expect_tx(s.k_full(slot), kKVBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(
+                s.k_tile(slot) + c * kBlockN * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.k),
+                s.k_full(slot), c * 64, key_begin, w.kv_head, w.batch);
+        }
+        ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
+        ptx::mbarrier_arrive_expect_tx(s.v_full(slot), kKVBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(
+                s.v_tile(slot) + c * kBlockN * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.v),
+                s.v_full(slot), c * 64, key_begin, w.kv_head, w.batch);
+        }
+    }
+
+    // ---------------------------------------------------------------- consumer MMAs
+    // Q K^T for one consumer: A = its 64 rows of Q (K-major), B = K tile (K-major, N = keys).
+    static __device__ __forceinline__ void issue_qk(float (&acc_s)[kSTiles][4], const Smem& s,
+                                                    int consumer, int slot) {
+#pragma unroll
+        for (int kk = 0; kk < kQKSteps; ++kk) {
+            const int chunk = kk / 4;
+            const uint32_t k_offset = (kk % 4) * 32;  // 16 columns = 32 bytes into the row
+            const unsigned long long desc_q = ptx::wgmma_desc_swizzle128(
+                s.q + chunk * kBlockM * 128 + consumer * 64 * 128 + k_offset, 16, kSwizzleAtomBytes);
+            const unsigned long long desc_k = ptx::wgmma_desc_swizzle128(
+                s.k_tile(slot) + chunk * kBlockN * 128 + k_offset, 16, kSwizzleAtomBytes);
+            ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(acc_s, desc_q, desc_k, kk > 0);
+        }
+        ptx::wgmma_commit_group();
+    }
+
+    // O += P V: A = P from registers, B = V tile read MN-major (N = head_dim contiguous).
+    static __device__ __forceinline__ void issue_pv(float (&acc_o)[kOTiles][4],
+                                                    const uint32_t (&p)[kPSteps][4], const Smem& s,
+                                                    int slot) {
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+            const unsigned long long desc_v = ptx::wgmma_desc_swizzle128(
+                s.v_tile(slot) + kk * 16 * 128, kBlockN * 128, kSwizzleAtomBytes);
+            ptx::wgmma_rs<kHeadDim, Config::kIsBf16, 1>(acc_o, p[kk], desc_v, 1);
+        }
+        ptx::wgmma_commit_group();
+    }
+
+    template <int kN>
+    static __device__ __forceinline__ void fence_accumulators(float (&acc)[kN][4]) {
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ptx::fence_operand(acc[n][i]);
+    }
+
+    // P (probabilities in the S accumulator layout) as k16 A fragments of P V.
+    static __device__ __forceinline__ void convert_p(const float (&acc_s)[kSTiles][4],
+                                                     uint32_t (&p)[kPSteps][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+            p[kk][0] = Ops::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+            p[kk][1] = Ops::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+            p[kk][2] = Ops::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+            p[kk][3] = Ops::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        }
+    }
+
+    // Ping-pong: a consumer waits for its turn before issuing MMAs and hands the turn to the
+    // other consumer once they are issued, so one warpgroup's softmax runs under the other's
+    // MMAs.
+    static __device__ __forceinline__ void wait_turn(int consumer) {
+        if constexpr (Config::kPingpong) ptx::bar_sync(kSchedulerBarrierBase + consumer, 256);
+    }
+    static __device__ __forceinline__ void pass_turn(int consumer) {
+        if constexpr (Config::kPingpong) ptx::bar_arrive(kSchedulerBarrierBase + (1 - consumer), 256);
+    }
+
+    // One tile's main loop and epilogue for one consumer. `ring_base` is the ring position of
+    // the tile's first key block and `tile_count` the number of tiles this CTA ran before.
+    static __device__ void consume(const FagenFwdParams& prm, const FagenTmaMaps& maps,
+                                   const Smem& s, const Work& w, int consumer, int thread,
+                                   int ring_base, int tile_count) {
+        const int warp = thread / 32;  // within the warpgroup
+        const int lane = thread % 32;
+        const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
+        const bool issues_loads = !Config::kWarpSpecialized && consumer == 0 && thread == 0;
+        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        auto slot_of = [&](int j) { return (ring_base + j) % kStages; };
+        auto parity_of = [&](int j) { return static_cast<uint32_t>(((ring_base + j) / kStages) & 1); };
+
+        float acc_o[1][kOTiles][4];
+#pragma unroll
+        for (int n = 0; n < kOTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_o[0][n][i] = 0.f;
+        algo::OnlineSoftmax<1, Config> softmax;  // Config carries the softmax options
+        softmax.init();
+        float acc_s[1][kSTiles][4];
+        uint32_t p[kPSteps][4];
+        float rescale[1][2];
+
+        if (issues_loads) {
+            load_q(maps, s, w, tile_count);
+            for (int j = 0; j < kStages - 1 && j < w.n_blocks; ++j) load_kv(maps, s, w, j, j);
+        }
+        __syncwarp();  // the loading lane rejoins its warp before the .aligned wgmma ops
+        ptx::mbarrier_wait_parity(s.q_full(), tile_count & 1);
+
+        // S = Q K^T of block j, masked and turned into probabilities; O rescaled unless its
+        // P V is still in flight (then the caller rescales after waiting).
+        auto scores = [&](int j, bool pv_in_flight) {
+            const int n_block = w.n_blocks - 1 - j;
+            if (mask.block_needs_mask(n_block, w.row_begin, kBlockN)) {
+                mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
+            }
+            softmax.update(acc_s, rescale, prm.scale_log2);
+            if (!pv_in_flight) algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
+        };
+
+        if constexpr (Config::kIntraWarpgroupOverlap) {
+            // Software pipeline: iteration j issues Q K_j and P_{j-1} V_{j-1} back to back, then
+            // runs the softmax of block j while P_{j-1} V_{j-1} is still on the tensor cores.
+            ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
+            wait_turn(consumer);
+            ptx::wgmma_fence();
+            issue_qk(acc_s[0], s, consumer, slot_of(0));
+            pass_turn(consumer);
+            ptx::wgmma_wait_group<0>();
+            fence_accumulators(acc_s[0]);
+            ptx::mbarrier_arrive(s.k_empty(slot_of(0)));
+            scores(0, false);
+            convert_p(acc_s[0], p);
+            for (int j = 1; j < w.n_blocks; ++j) {
+                // Slot (j-2) % kStages is free: K_{j-2} and V_{j-2} were released last iteration.
+                if (issues_loads && j + kStages - 2 < w.n_blocks) {
+                    load_kv(maps, s, w, j + kStages - 2, j + kStages - 2);
+                }
+                __syncwarp();
+                ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
+                ptx::mbarrier_wait_parity(s.v_full(slot_of(j - 1)), parity_of(j - 1));
+                wait_turn(consumer);
+                fence_accumulators(acc_o[0]);
+                ptx::wgmma_fence();
+                issue_qk(acc_s[0], s, consumer, slot_of(j));
+                issue_pv(acc_o[0], p, s, slot_of(j - 1));
+                pass_turn(consumer);
+                ptx::wgmma_wait_group<1>();
+                fence_accumulators(acc_s[0]);
+                ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
+                scores(j, true);
+                ptx::wgmma_wait_group<0>();
+                fence_accumulators(acc_o[0]);
+                ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
+                algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
+                convert_p(acc_s[0], p);
+            }
+            const int last = w.n_blocks - 1;
+            ptx::mbarrier_wait_parity(s.v_full(slot_of(last)), parity_of(last));
+            fence_accumulators(acc_o[0]);
+            ptx::wgmma_fence();
+            issue_pv(acc_o[0], p, s, slot_of(last));
+            ptx::wgmma_wait_group<0>();
+            fence_accumulators(acc_o[0]);
+            ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
+        } else {
+            for (int j = 0; j < w.n_blocks; ++j) {
+                // Slot (j-1) % kStages is free once both consumers released block j-1.
+                if (issues_loads && j + kStages - 1 < w.n_blocks) {
+                    load_kv(maps, s, w, j + kStages - 1, j + kStages - 1);
+                }
+                __syncwarp();
+                ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
+                wait_turn(consumer);
+                ptx::wgmma_fence();
+                issue_qk(acc_s[0], s, consumer, slot_of(j));
+                pass_turn(consumer);
+                ptx::wgmma_wait_group<0>();
+                fence_accumulators(acc_s[0]);
+                ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
+                scores(j, false);
+                convert_p(acc_s[0], p);
+                ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
+                fence_accumulators(acc_o[0]);
+                ptx::wgmma_fence();
+                issue_pv(acc_o[0], p, s, slot_of(j));
+                ptx::wgmma_wait_group<0>();
+                fence_accumulators(acc_o[0]);
+                ptx::mbarrier_arrive(s.v_empty(slot_of(j)));
+            }
+        }
+        // Every wgmma that read this tile's Q has completed: the producer may load the next.
+        ptx::mbarrier_arrive(s.q_empty());
+
+        float row_lse[1][2];
+        softmax.finalize(acc_o, row_lse, prm.scale_log2);
+        store_output(prm, w, acc_o[0], row_lse, warp_row, lane);
+    }
+
+    // ---------------------------------------------------------------- epilogue
+    // Straight from the accumulators: each quad of lanes writes 16 contiguous bytes of a row per
+    // n8 tile. Not staged through shared memory, which holds the next tile's Q by now in a
+    // persistent kernel; O is written once per tile, so the half-used 32-byte sectors cost
+    // little next to the tile's K/V traffic.
+    static __device__ __forceinline__ void store_output(const FagenFwdParams& prm, const Work& w,
+                                                        const float (&acc_o)[kOTiles][4],
+                                                        const float (&row_lse)[1][2], int warp_row,
+                                                        int lane) {
+        const int rows_valid = prm.seqlen_q - w.row_begin;
+        Element* o = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
+                     w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row + lane / 4 + 8 * h;
+            if (row < rows_valid) {
+                Element* o_row = o + row * prm.o_row_stride;
+#pragma unroll
+                for (int n = 0; n < kOTiles; ++n) {
+                    const algo::FragmentCoord c = algo::fragment_coord(lane, 0, n, 2 * h);
+                    *reinterpret_cast<uint32_t*>(o_row + c.col) =
+                        Ops::pack(acc_o[n][2 * h], acc_o[n][2 * h + 1]);
+                }
+            }
+        }
+        if (prm.lse != nullptr && lane % 4 == 0) {
+            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
+                         w.row_begin;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_row + lane / 4 + 8 * h;
+                if (row < rows_valid) lse[row] = row_lse[0][h];
+            }
+        }
+    }
+
+    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+    // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
+    static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
+        const int rows_valid = prm.seqlen_q - w.row_begin;
+        Element* o = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
+                     w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
+        constexpr int kVecsPerRow = kHeadDim / 8;
+        for (int idx = thread; idx < kBlockM * kVecsPerRow; idx += kConsumerThreads) {
+            const int row = idx / kVecsPerRow;
+            if (row < rows_valid) {
+                *reinterpret_cast<uint4*>(o + row * prm.o_row_stride + (idx % kVecsPerRow) * 8) =
+                    make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (prm.lse != nullptr) {
+            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
+                         w.row_begin;
+            for (int row = thread; row < kBlockM && row < rows_valid; row += kConsumerThreads) {
+                lse[row] = algo::neg_inf();
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- entry
+    // The dynamic shared window is only 16-byte aligned by contract; the swizzle needs 1024.
+    static __device__ __forceinline__ Smem smem_layout(char* smem) {
+        const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+        const uint32_t base = (raw + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+        return Smem{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
+                    base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
+    }
+
+    static __device__ __forceinline__ Scheduler scheduler(const FagenFwdParams& prm) {
+        return Scheduler{(prm.seqlen_q + kBlockM - 1) / kBlockM, prm.heads_q, prm.batch};
+    }
+
+    static __device__ void produce(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+        const Smem s = smem_layout(smem);
+        const Scheduler sched = scheduler(prm);
+        if constexpr (!Config::kPersistent) {
+            const Work w = work_for(prm, sched, sched.first());
+            if (w.n_blocks <= 0) return;
+            load_q(maps, s, w, 0);
+            for (int j = 0; j < w.n_blocks; ++j) load_kv(maps, s, w, j, j);
+            return;
+        }
+        int ring = 0, tile_count = 0;
+        for (int index = sched.first(); index < sched.total(); index += sched.stride()) {
+            const Work w = work_for(prm, sched, index);
+            if (w.n_blocks <= 0) continue;
+            load_q(maps, s, w, tile_count++);
+            for (int j = 0; j < w.n_blocks; ++j) load_kv(maps, s, w, j, ring++);
+        }
+    }
+
+    static __device__ void consume_tiles(const FagenFwdParams& prm, const FagenTmaMaps& maps,
+                                         char* smem, int consumer, int thread) {
+        const Smem s = smem_layout(smem);
+        const Scheduler sched = scheduler(prm);
+        if (Config::kPingpong && consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+        // A one-tile kernel carries no loop state through its main loop (registers are tight).
+        if constexpr (!Config::kPersistent) {
+            const Work w = work_for(prm, sched, sched.first());
+            if (w.n_blocks <= 0) {
+                write_empty_rows(prm, w, consumer * 128 + thread);
+            } else {
+                consume(prm, maps, s, w, consumer, thread, 0, 0);
+            }
+        } else {
+            int ring = 0, tile_count = 0;
+            for (int index = sched.first(); index < sched.total(); index += sched.stride()) {
+                const Work w = work_for(prm, sched, index);
+                if (w.n_blocks <= 0) {
+                    write_empty_rows(prm, w, consumer * 128 + thread);
+                    continue;
+                }
+                consume(prm, maps, s, w, consumer, thread, ring, tile_count++);
+                ring += w.n_blocks;
+            }
+        }
+        // Balance the ping-pong barrier: consumer 1 handed out one more turn than consumer 0
+        // took.
+        if (Config::kPingpong && consumer == 0) ptx::bar_sync(kSchedulerBarrierBase, 256);
+    }
+
+    // ---------------------------------------------------------------- entry
+    // Each role is one branch holding its setmaxnreg, and nothing computed before the branch
+    // stays live into it: ptxas then compiles each role under its own register budget.
+    static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+        if (threadIdx.x == 0) {
+            const Smem s = smem_layout(smem);
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.q));
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.k));
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.v));
+            ptx::mbarrier_init(s.q_full(), 1);
+            ptx::mbarrier_init(s.q_empty(), kConsumerThreads);
+            for (int st = 0; st < kStages; ++st) {
+                ptx::mbarrier_init(s.k_full(st), 1);
+                ptx::mbarrier_init(s.v_full(st), 1);
+                ptx::mbarrier_init(s.k_empty(st), kConsumerThreads);
+                ptx::mbarrier_init(s.v_empty(st), kConsumerThreads);
+            }
+            ptx::fence_mbarrier_init_release_cluster();
+        }
+        __syncthreads();
+
+        if constexpr (Config::kWarpSpecialized) {
+            if (threadIdx.x < 128) {
+                ptx::setmaxnreg_dec<Config::kProducerRegisters>();
+                if (threadIdx.x == 0) produce(prm, maps, smem);
+            } else {
+                ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
+                consume_tiles(prm, maps, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);
+            }
+        } else {
+            consume_tiles(prm, maps, smem, threadIdx.x / 128, threadIdx.x % 128);
+        }
+    }
+};
+
+}  // namespace fagen::fa3

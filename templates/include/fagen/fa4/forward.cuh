@@ -1,0 +1,498 @@
+// FlashAttention-4 forward on Blackwell (sm_100a): TMA loads into an mbarrier-guarded ring,
+// tcgen05.mma issued by one thread with S, P and O in Tensor Memory (TMEM), softmax with one
+// thread per query row, O rescaling moved to correction warps and made conditional, and an
+// optional share of the exponentials computed by a polynomial on the FMA pipe.
+//
+// Role table (384 threads = 3 warpgroups; a warp may only touch TMEM lanes 32 * (warp % 4) ..
+// + 31, so the softmax and correction warpgroups each cover all 128 rows):
+//   warps 0-3  softmax      thread t owns query row t (TMEM lane t): loads S_j (tcgen05.ld),
+//                           masks, updates the reference maximum, publishes the O rescale
+//                           factor, writes P_j as 16-bit pairs over S_j's columns (tcgen05.st),
+//                           keeps l, writes LSE.
+//   warps 4-7  correction   same rows (warp % 4 matches): rescales O in TMEM between P V
+//              + epilogue   steps when a row of the warp needs it, then normalizes O by 1 / l
+//                           and stores it through shared memory.
+//   warp 8     load         one lane issues the TMA loads of Q once and K_j, V_j per block.
+//   warp 9     MMA          allocates TMEM; one lane issues S_j = Q K_j^T and O += P_{j-1}
+//                           V_{j-1} and commits their completion to mbarriers.
+//   warps 10-11             idle: they complete the third warpgroup, which setmaxnreg needs
+//                           whole to hand its registers to the softmax warpgroup.
+// Registers (setmaxnreg): the softmax warpgroup holds a whole S row per thread and gets
+// Config::kSoftmaxRegisters; correction and control warpgroups give theirs up.
+//
+// TMEM (128 lanes = query rows): S buffer 0 at columns [0, kBlockN), S buffer 1 at [kBlockN,
+// 2 kBlockN), O at [2 kBlockN, 2 kBlockN + kHeadDim). P_j overwrites the first kBlockN / 2
+// columns of its own S buffer (two 16-bit values per column) and is read from there as the
+// A operand of P V: P never touches shared memory. The double-buffered S lets Q K_{j+1} run on
+// the tensor core while softmax works on block j.
+//
+// Block j (visited last key block first, so the masked blocks come first, as in FA2/FA3):
+//   MMA        wait K_j            -> S_j = Q K_j^T into S[j % 2] -> commit s_full, k_empty
+//              wait P_{j-1}, O ok  -> O (+)= P_{j-1} V_{j-1}       -> commit v_empty, pv_done
+//   softmax    wait s_full -> max -> rescale factor to smem, arrive scale_full
+//              -> exp2 -> P_j to TMEM, arrive p_full
+//   correction wait scale_full, pv_done(j-1) -> rescale O if needed -> arrive o_ready
+// S[j % 2] is written again by Q K_{j+2}, issued after P_j V_j by the same thread: tcgen05.mma
+// runs in issue order, so that write cannot overtake the read of P_j.
+//
+// Shared memory (tiles 1024-byte aligned for the 128-byte swizzle): Q, kStages K tiles, kStages
+// V tiles (each head_dim/64 column chunks of rows x 128 bytes, as TMA writes them), then the
+// mbarriers, the TMEM address and the per-row softmax-to-correction hand-off. The epilogue
+// stages O through the Q tile.
+#pragma once
+
+#include "fagen/algo/exp2_emulation.cuh"
+#include "fagen/algo/mask.cuh"
+#include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/tile_scheduler.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+#include "fagen/ptx/bar.cuh"
+#include "fagen/ptx/cp_async_bulk_tensor.cuh"
+#include "fagen/ptx/fence.cuh"
+#include "fagen/ptx/mbarrier.cuh"
+#include "fagen/ptx/setmaxnreg.cuh"
+#include "fagen/ptx/tcgen05_alloc.cuh"
+#include "fagen/ptx/tcgen05_commit.cuh"
+#include "fagen/ptx/tcgen05_fence.cuh"
+#include "fagen/ptx/tcgen05_ld_st.cuh"
+#include "fagen/ptx/tcgen05_mma.cuh"
+#include "fagen/types.cuh"
+
+namespace fagen::fa4 {
+
+enum Warp : int {
+    kSoftmaxWarp0 = 0,
+    kCorrectionWarp0 = 4,
+    kLoadWarp = 8,
+    kMmaWarp = 9,
+    kWarps = 12,
+};
+
+enum NamedBarrier : int {
+    kEpilogueBarrier = 1,  // the four correction warps, before the coalesced O store
+};
+
+// mbarrier slots, 8 bytes each, in this order; then 4 per K/V stage.
+enum Barrier : int {
+    kQFull = 0,
+    kSFull0 = 1,      // + buffer: S_j landed in TMEM (tcgen05.commit)
+    kPFull0 = 3,      // + buffer: P_j written to TMEM (128 softmax threads)
+    kScaleFull0 = 5,  // + buffer: rescale factors of block j in smem (128 softmax threads)
+    kOReady = 7,      // O may take P_j V_j (128 correction threads)
+    kPvDone = 8,      // P_j V_j completed (tcgen05.commit)
+    kStatsFull = 9,   // final row sums in smem (128 softmax threads)
+    kFixedBarriers = 10,
+};
+
+template <class Config>
+struct Forward {
+    using Element = typename Config::Element;
+    using Ops = fa2::ElementOps<Element>;
+
+    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kBlockM = Config::kBlockM;
+    static constexpr int kBlockN = Config::kBlockN;
+    static constexpr int kStages = Config::kStages;
+    static constexpr int kChunks = kHeadDim / 64;  // 128-byte column chunks of a tile
+    static constexpr int kQKSteps = kHeadDim / 16;
+    static constexpr int kPVSteps = kBlockN / 16;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr uint32_t kSwizzleAtomBytes = 1024;
+    static constexpr uint32_t kOColumn = 2 * kBlockN;
+    static constexpr uint32_t kQKInstr =
+        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kBlockN, Config::kIsBf16, false>::value;
+    static constexpr uint32_t kPVInstr =
+        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDim, Config::kIsBf16, true>::value;
+
+    static_assert(kBlockM == 128, "one M = 128 MMA: TMEM lane = query row = softmax thread");
+    static_assert(Config::kThreads == 32 * kWarps);
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "TMA boxes are 64 columns; MMA N <= 256");
+    static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P is stored 32 columns at a time");
+    static_assert(kOColumn + kHeadDim <= Config::kTmemColumns && Config::kTmemColumns <= 512);
+    static_assert((Config::kTmemColumns & (Config::kTmemColumns - 1)) == 0 &&
+                  Config::kTmemColumns >= 32, "tcgen05.alloc takes a power of two >= 32");
+    static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQBytes);
+    static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
+    static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
+    static_assert(Config::kSmemQOffset % kSwizzleAtomBytes == 0 &&
+                  Config::kSmemKOffset % kSwizzleAtomBytes == 0 &&
+                  Config::kSmemVOffset % kSwizzleAtomBytes == 0);
+
+    struct Smem {
+        uint32_t q, k, v, bar;
+
+        __device__ uint32_t barrier(int index) const { return bar + 8 * index; }
+        __device__ uint32_t k_full(int s) const { return barrier(kFixedBarriers + 4 * s); }
+        __device__ uint32_t k_empty(int s) const { return barrier(kFixedBarriers + 4 * s + 1); }
+        __device__ uint32_t v_full(int s) const { return barrier(kFixedBarriers + 4 * s + 2); }
+        __device__ uint32_t v_empty(int s) const { return barrier(kFixedBarriers + 4 * s + 3); }
+        __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
+        __device__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+        __device__ uint32_t tmem_slot() const { return barrier(kFixedBarriers + 4 * kStages); }
+        // Per-row floats: rescale factors of the two blocks in flight, then final row sums.
+        __device__ uint32_t row_scale(int buffer) const { return tmem_slot() + 16 + buffer * kBlockM * 4; }
+        __device__ uint32_t row_sum() const { return row_scale(2); }
+    };
+    static_assert(Config::kSmemControlBytes == 8 * (kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
+
+    struct Work {
+        int head, batch, kv_head, row_begin, n_blocks;
+    };
+
+    static __device__ __forceinline__ float load_shared_f32(uint32_t addr) {
+        return *static_cast<const float*>(__cvta_shared_to_generic(addr));
+    }
+    static __device__ __forceinline__ void store_shared_f32(uint32_t addr, float value) {
+        *static_cast<float*>(__cvta_shared_to_generic(addr)) = value;
+    }
+
+    // ---------------------------------------------------------------- load warp
+    static __device__ void load(const FagenTmaMaps& maps, const Smem& s, const Work& w) {
+        const auto* map_q = reinterpret_cast<const ptx::TensorMap*>(&maps.q);
+        const auto* map_k = reinterpret_cast<const ptx::TensorMap*>(&maps.k);
+        const auto* map_v = reinterpret_cast<const ptx::TensorMap*>(&maps.v);
+        ptx::mbarrier_arrive_expect_tx(s.barrier(kQFull), kQBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(s.q + c * kBlockM * 128, map_q,
+                                                          s.barrier(kQFull), c * 64, w.row_begin,
+                                                          w.head, w.batch);
+        }
+        for (int j = 0; j < w.n_blocks; ++j) {
+            const int slot = j % kStages;
+            const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
+            const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
+            ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
+            ptx::mbarrier_arrive_expect_tx(s.k_full(slot), kKVBytes);
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+                ptx::cp_async_bulk_tensor_4d_global_to_shared(s.k_tile(slot) + c * kBlockN * 128,
+                                                              map_k, s.k_full(slot), c * 64,
+                                                              key_begin, w.kv_head, w.batch);
+            }
+            ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
+            ptx::mbarrier_arrive_expect_tx(s.v_full(slot), kKVBytes);
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+                ptx::cp_async_bulk_tensor_4d_global_to_shared(s.v_tile(slot) + c * kBlockN * 128,
+                                                              map_v, s.v_full(slot), c * 64,
+                                                              key_begin, w.kv_head, w.batch);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- MMA thread
+    // S[buffer] = Q K^T: A = Q (K-major), B = K tile (K-major, N = keys); 16 columns of head_dim
+    // (32 bytes into the swizzled 128-byte row) per instruction.
+    static __device__ __forceinline__ void issue_qk(const Smem& s, uint32_t tmem, int slot,
+                                                    int buffer) {
+#pragma unroll
+        for (int kk = 0; kk < kQKSteps; ++kk) {
+            const uint32_t k_offset = (kk % 4) * 32;
+            const unsigned long long desc_q = ptx::tcgen05_smem_desc_swizzle128(
+                s.q + (kk / 4) * kBlockM * 128 + k_offset, 16, kSwizzleAtomBytes);
+            const unsigned long long desc_k = ptx::tcgen05_smem_desc_swizzle128(
+                s.k_tile(slot) + (kk / 4) * kBlockN * 128 + k_offset, 16, kSwizzleAtomBytes);
+            ptx::tcgen05_mma_f16_ss(tmem + buffer * kBlockN, desc_q, desc_k, kQKInstr, kk > 0);
+        }
+    }
+
+    // O (+)= P V: A = P from TMEM (8 columns = 16 keys per step), B = V tile read MN-major
+    // (head_dim contiguous; consecutive 64-column chunks kBlockN * 128 bytes apart).
+    static __device__ __forceinline__ void issue_pv(const Smem& s, uint32_t tmem, int slot,
+                                                    int buffer, bool accumulate) {
+#pragma unroll
+        for (int kk = 0; kk < kPVSteps; ++kk) {
+            const unsigned long long desc_v = ptx::tcgen05_smem_desc_swizzle128(
+                s.v_tile(slot) + kk * 16 * 128, kBlockN * 128, kSwizzleAtomBytes);
+            ptx::tcgen05_mma_f16_ts(tmem + kOColumn, tmem + buffer * kBlockN + kk * 8, desc_v,
+                                    kPVInstr, accumulate || kk > 0);
+        }
+    }
+
+    static __device__ void mma(const Smem& s, const Work& w, uint32_t tmem) {
+        ptx::mbarrier_wait_parity(s.barrier(kQFull), 0);
+        // P V of block j - 1 once its P is in TMEM and the correction warps are done with O.
+        auto pv_step = [&](int j) {
+            const int slot = j % kStages;
+            ptx::mbarrier_wait_parity(s.barrier(kPFull0 + (j & 1)), (j >> 1) & 1);
+            ptx::mbarrier_wait_parity(s.barrier(kOReady), j & 1);
+            ptx::mbarrier_wait_parity(s.v_full(slot), (j / kStages) & 1);
+            ptx::tcgen05_fence_after_thread_sync();
+            issue_pv(s, tmem, slot, j & 1, j > 0);
+            ptx::tcgen05_commit(s.v_empty(slot));
+            ptx::tcgen05_commit(s.barrier(kPvDone));
+        };
+        for (int j = 0; j < w.n_blocks; ++j) {
+            const int slot = j % kStages;
+            ptx::mbarrier_wait_parity(s.k_full(slot), (j / kStages) & 1);
+            ptx::tcgen05_fence_after_thread_sync();
+            issue_qk(s, tmem, slot, j & 1);
+            ptx::tcgen05_commit(s.barrier(kSFull0 + (j & 1)));
+            ptx::tcgen05_commit(s.k_empty(slot));
+            if (j > 0) pv_step(j - 1);
+        }
+        pv_step(w.n_blocks - 1);
+    }
+
+    // ---------------------------------------------------------------- softmax warps
+    static __device__ void softmax(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                   uint32_t tmem, int row) {
+        const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
+        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        const int key_end = mask.key_end(w.row_begin + row);
+        float reference = algo::neg_inf();
+        float row_sum = 0.f;
+
+        for (int j = 0; j < w.n_blocks; ++j) {
+            const int buffer = j & 1;
+            const uint32_t tmem_s = tmem_row + buffer * kBlockN;
+            ptx::mbarrier_wait_parity(s.barrier(kSFull0 + buffer), (j >> 1) & 1);
+            ptx::tcgen05_fence_after_thread_sync();
+            uint32_t raw[kBlockN / 16][16];
+#pragma unroll
+            for (int c = 0; c < kBlockN / 16; ++c) ptx::tcgen05_ld_32x32b_x16(tmem_s + c * 16, raw[c]);
+            ptx::tcgen05_wait_ld();
+            float scores[kBlockN];
+#pragma unroll
+            for (int c = 0; c < kBlockN / 16; ++c) {
+                ptx::tcgen05_ld_fence_registers(raw[c]);
+#pragma unroll
+                for (int i = 0; i < 16; ++i) scores[c * 16 + i] = __uint_as_float(raw[c][i]);
+            }
+
+            const int n_block = w.n_blocks - 1 - j;
+            if (mask.block_needs_mask(n_block, w.row_begin, kBlockN)) {
+#pragma unroll
+                for (int c = 0; c < kBlockN; ++c) {
+                    if (n_block * kBlockN + c >= key_end) scores[c] = algo::neg_inf();
+                }
+            }
+            float block_max = reference;
+#pragma unroll
+            for (int c = 0; c < kBlockN; ++c) block_max = fmaxf(block_max, scores[c]);
+            const algo::ReferenceMax next = algo::next_reference_max<Config::kConditionalRescale>(
+                reference, block_max, prm.scale_log2, Config::kRescaleThreshold);
+            store_shared_f32(s.row_scale(buffer) + row * 4, next.rescale);
+            ptx::mbarrier_arrive(s.barrier(kScaleFull0 + buffer));
+            reference = next.value;
+            const float subtrahend = algo::reference_scaled(reference, prm.scale_log2);
+
+            float sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < kBlockN / 32; ++c) {
+                uint32_t packed[16];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    const int pair = c * 16 + i;
+                    const float p0 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
+                        pair, fmaf(scores[2 * pair], prm.scale_log2, -subtrahend));
+                    const float p1 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
+                        pair, fmaf(scores[2 * pair + 1], prm.scale_log2, -subtrahend));
+                    sum += p0 + p1;
+                    packed[i] = Ops::pack(p0, p1);
+                }
+                ptx::tcgen05_st_32x32b_x16(tmem_s + c * 16, packed);
+            }
+            row_sum = row_sum * next.rescale + sum;
+            ptx::tcgen05_wait_st();
+            ptx::tcgen05_fence_before_thread_sync();
+            ptx::mbarrier_arrive(s.barrier(kPFull0 + buffer));
+        }
+
+        store_shared_f32(s.row_sum() + row * 4, row_sum);
+        ptx::mbarrier_arrive(s.barrier(kStatsFull));
+        const int rows_valid = prm.seqlen_q - w.row_begin;
+        if (prm.lse != nullptr && row < rows_valid) {
+            constexpr float kLn2 = 0.6931471805599453f;
+            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
+                         w.row_begin;
+            lse[row] = row_sum == 0.f
+                           ? algo::neg_inf()
+                           : (algo::reference_scaled(reference, prm.scale_log2) + __log2f(row_sum)) * kLn2;
+        }
+    }
+
+    // ---------------------------------------------------------------- correction warps
+    static __device__ void correct(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                   uint32_t tmem, int row) {
+        const uint32_t tmem_o = tmem + (static_cast<uint32_t>(row & ~31) << 16) + kOColumn;
+        for (int j = 0; j < w.n_blocks; ++j) {
+            const int buffer = j & 1;
+            ptx::mbarrier_wait_parity(s.barrier(kScaleFull0 + buffer), (j >> 1) & 1);
+            const float scale = load_shared_f32(s.row_scale(buffer) + row * 4);
+            if (j > 0) {
+                // O holds blocks 0..j-1 only once P_{j-1} V_{j-1} has completed.
+                ptx::mbarrier_wait_parity(s.barrier(kPvDone), (j - 1) & 1);
+                if (__any_sync(0xffffffffu, scale != 1.f)) {
+                    ptx::tcgen05_fence_after_thread_sync();
+#pragma unroll
+                    for (int c = 0; c < kHeadDim / 16; ++c) {
+                        uint32_t o[16];
+                        ptx::tcgen05_ld_32x32b_x16(tmem_o + c * 16, o);
+                        ptx::tcgen05_wait_ld();
+                        ptx::tcgen05_ld_fence_registers(o);
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) o[i] = __float_as_uint(__uint_as_float(o[i]) * scale);
+                        ptx::tcgen05_st_32x32b_x16(tmem_o + c * 16, o);
+                    }
+                    ptx::tcgen05_wait_st();
+                }
+            }
+            ptx::tcgen05_fence_before_thread_sync();
+            ptx::mbarrier_arrive(s.barrier(kOReady));
+        }
+        ptx::mbarrier_wait_parity(s.barrier(kPvDone), (w.n_blocks - 1) & 1);
+        ptx::mbarrier_wait_parity(s.barrier(kStatsFull), 0);
+        ptx::tcgen05_fence_after_thread_sync();
+        const float sum = load_shared_f32(s.row_sum() + row * 4);
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        store_output(prm, s, w, tmem_o, inv, row);
+    }
+
+    // ---------------------------------------------------------------- epilogue
+    // Every MMA has completed (the last P V was waited on), so the Q tile is free: O goes there
+    // in the swizzled layout TMA used for Q (each thread writes its row's 16-byte units to
+    // distinct bank groups), then out as coalesced 16-byte vectors, row-bounded.
+    static __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
+        const int chunk = col / 64;
+        const int byte_in_row = (col % 64) * 2;
+        const int unit = (byte_in_row / 16) ^ (row % 8);
+        return chunk * kBlockM * 128 + row * 128 + unit * 16 + byte_in_row % 16;
+    }
+
+    static __device__ void store_output(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                        uint32_t tmem_o, float inv, int row) {
+        char* smem_generic = static_cast<char*>(__cvta_shared_to_generic(s.q));
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 16; ++c) {
+            uint32_t o[16];
+            ptx::tcgen05_ld_32x32b_x16(tmem_o + c * 16, o);
+            ptx::tcgen05_wait_ld();
+            ptx::tcgen05_ld_fence_registers(o);
+            uint4 lo, hi;
+            lo.x = Ops::pack(__uint_as_float(o[0]) * inv, __uint_as_float(o[1]) * inv);
+            lo.y = Ops::pack(__uint_as_float(o[2]) * inv, __uint_as_float(o[3]) * inv);
+            lo.z = Ops::pack(__uint_as_float(o[4]) * inv, __uint_as_float(o[5]) * inv);
+            lo.w = Ops::pack(__uint_as_float(o[6]) * inv, __uint_as_float(o[7]) * inv);
+            hi.x = Ops::pack(__uint_as_float(o[8]) * inv, __uint_as_float(o[9]) * inv);
+            hi.y = Ops::pack(__uint_as_float(o[10]) * inv, __uint_as_float(o[11]) * inv);
+            hi.z = Ops::pack(__uint_as_float(o[12]) * inv, __uint_as_float(o[13]) * inv);
+            hi.w = Ops::pack(__uint_as_float(o[14]) * inv, __uint_as_float(o[15]) * inv);
+            *reinterpret_cast<uint4*>(smem_generic + swizzled_offset(row, c * 16)) = lo;
+            *reinterpret_cast<uint4*>(smem_generic + swizzled_offset(row, c * 16 + 8)) = hi;
+        }
+        ptx::bar_sync(kEpilogueBarrier, kBlockM);
+        const int rows_valid = prm.seqlen_q - w.row_begin;
+        Element* out = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
+                       w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
+        constexpr int kVecsPerRow = kHeadDim / 8;
+        for (int idx = row; idx < kBlockM * kVecsPerRow; idx += kBlockM) {
+            const int r = idx / kVecsPerRow;
+            const int col = (idx % kVecsPerRow) * 8;
+            if (r < rows_valid) {
+                *reinterpret_cast<uint4*>(out + r * prm.o_row_stride + col) =
+                    *reinterpret_cast<const uint4*>(smem_generic + swizzled_offset(r, col));
+            }
+        }
+    }
+
+    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+    static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w) {
+        const int rows_valid = prm.seqlen_q - w.row_begin;
+        Element* o = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
+                     w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
+        constexpr int kVecsPerRow = kHeadDim / 8;
+        for (int idx = threadIdx.x; idx < kBlockM * kVecsPerRow; idx += Config::kThreads) {
+            const int row = idx / kVecsPerRow;
+            if (row < rows_valid) {
+                *reinterpret_cast<uint4*>(o + row * prm.o_row_stride + (idx % kVecsPerRow) * 8) =
+                    make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (prm.lse != nullptr) {
+            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
+                         w.row_begin;
+            for (int row = threadIdx.x; row < kBlockM && row < rows_valid; row += Config::kThreads) {
+                lse[row] = algo::neg_inf();
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- entry
+    static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+        Work w;
+        w.head = blockIdx.y;
+        w.batch = blockIdx.z;
+        w.kv_head = w.head / (prm.heads_q / prm.heads_kv);
+        w.row_begin = algo::query_block_index<Config::kCausal>() * kBlockM;
+        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        w.n_blocks = mask.key_blocks(w.row_begin, kBlockM, kBlockN);
+        if (w.n_blocks <= 0) {
+            write_empty_rows(prm, w);
+            return;
+        }
+
+        // The dynamic shared window is only 16-byte aligned by contract; the swizzle needs 1024.
+        const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+        const uint32_t base = (raw + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+        const Smem s{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
+                     base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
+        const int warp = threadIdx.x / 32;
+        const int lane = threadIdx.x % 32;
+
+        if (threadIdx.x == 0) {
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.q));
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.k));
+            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.v));
+            ptx::mbarrier_init(s.barrier(kQFull), 1);
+            for (int b = 0; b < 2; ++b) {
+                ptx::mbarrier_init(s.barrier(kSFull0 + b), 1);
+                ptx::mbarrier_init(s.barrier(kPFull0 + b), kBlockM);
+                ptx::mbarrier_init(s.barrier(kScaleFull0 + b), kBlockM);
+            }
+            ptx::mbarrier_init(s.barrier(kOReady), kBlockM);
+            ptx::mbarrier_init(s.barrier(kPvDone), 1);
+            ptx::mbarrier_init(s.barrier(kStatsFull), kBlockM);
+            for (int st = 0; st < kStages; ++st) {
+                ptx::mbarrier_init(s.k_full(st), 1);
+                ptx::mbarrier_init(s.k_empty(st), 1);
+                ptx::mbarrier_init(s.v_full(st), 1);
+                ptx::mbarrier_init(s.v_empty(st), 1);
+            }
+            ptx::fence_mbarrier_init_release_cluster();
+        }
+        if (warp == kMmaWarp) {
+            ptx::tcgen05_alloc(s.tmem_slot(), Config::kTmemColumns);
+            ptx::tcgen05_relinquish_alloc_permit();
+        }
+        ptx::tcgen05_fence_before_thread_sync();
+        __syncthreads();
+        ptx::tcgen05_fence_after_thread_sync();
+        const uint32_t tmem = *static_cast<const uint32_t*>(__cvta_shared_to_generic(s.tmem_slot()));
+
+        if (warp < kCorrectionWarp0) {
+            ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
+            softmax(prm, s, w, tmem, threadIdx.x);
+        } else if (warp < kLoadWarp) {
+            ptx::setmaxnreg_dec<Config::kCorrectionRegisters>();
+            correct(prm, s, w, tmem, threadIdx.x - kCorrectionWarp0 * 32);
+        } else {
+            ptx::setmaxnreg_dec<Config::kControlRegisters>();
+            if (warp == kLoadWarp && lane == 0) load(maps, s, w);
+            if (warp == kMmaWarp && lane == 0) mma(s, w, tmem);
+        }
+        __syncwarp();
+
+        ptx::tcgen05_fence_before_thread_sync();
+        __syncthreads();
+        if (warp == kMmaWarp) {
+            ptx::tcgen05_fence_after_thread_sync();
+            ptx::tcgen05_dealloc(tmem, Config::kTmemColumns);
+        }
+    }
+};
+
+}  // namespace fagen::fa4

@@ -1,0 +1,700 @@
+// fagen.hpp: header-only C++17 loader for a fagen bundle.
+//
+// Compile against one bundle's include/ directory (this header, params.h and the generated
+// index.h, which mirrors that bundle's manifest.json as a static table) and point
+// fagen::Bundle::open at the same bundle's directory at run time. The program does not link
+// libcuda: the driver is dlopen'ed on first use and every entry point is resolved through
+// cuGetProcAddress, so only cuda.h/cudaTypedefs.h are needed at build time. Opening and
+// verifying a bundle never touches the driver.
+//
+// Integrity: open() refuses a directory whose schema or kernel ABI version this header does not
+// speak, or whose manifest.json is not the one index.h was generated from; every cubin's size and
+// sha256 is checked against index.h before the driver sees it.
+//
+// Errors come back as fagen::Status / fagen::Result<T> values with a message; nothing here
+// throws or exits.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "index.h"
+#include "params.h"
+
+#if FAGEN_BUNDLE_ABI_VERSION != FAGEN_ABI_VERSION
+#error "fagen: index.h and params.h were written for different kernel ABI versions; this include/ directory mixes two bundles"
+#endif
+
+namespace fagen {
+
+// Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
+constexpr int kSchemaVersion = 1;
+constexpr int kAbiVersion = FAGEN_ABI_VERSION;
+
+class [[nodiscard]] Status {
+public:
+    Status() = default;
+    static Status error(std::string message) { return Status(std::move(message)); }
+    bool ok() const { return !failed_; }
+    explicit operator bool() const { return ok(); }
+    const std::string& message() const { return message_; }
+
+private:
+    explicit Status(std::string message) : failed_(true), message_(std::move(message)) {}
+    bool failed_ = false;
+    std::string message_;
+};
+
+template <class T>
+class [[nodiscard]] Result {
+public:
+    Result(T value) : value_(std::move(value)) {}
+    Result(Status error) : status_(std::move(error)) {
+        if (status_.ok()) status_ = Status::error("fagen: Result built from an OK status without a value");
+    }
+    bool ok() const { return value_.has_value(); }
+    explicit operator bool() const { return ok(); }
+    const Status& status() const { return status_; }
+    T& value() { return *value_; }
+    const T& value() const { return *value_; }
+    T* operator->() { return &*value_; }
+    T& operator*() { return *value_; }
+
+private:
+    std::optional<T> value_;
+    Status status_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// SHA-256 (FIPS 180-4), so that verifying a cubin needs nothing beyond the standard library.
+
+namespace detail {
+
+class Sha256 {
+public:
+    void update(const unsigned char* data, size_t size) {
+        for (size_t i = 0; i < size; ++i) {
+            block_[block_used_++] = data[i];
+            if (block_used_ == 64) {
+                compress();
+                block_used_ = 0;
+            }
+        }
+        bits_ += static_cast<uint64_t>(size) * 8;
+    }
+
+    std::string hex_digest() {
+        const uint64_t message_bits = bits_;
+        const unsigned char pad_start = 0x80;
+        update(&pad_start, 1);
+        const unsigned char zero = 0;
+        while (block_used_ != 56) update(&zero, 1);
+        unsigned char length[8];
+        for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(message_bits >> (56 - 8 * i));
+        update(length, 8);
+        static const char* digits = "0123456789abcdef";
+        std::string hex;
+        for (uint32_t word : state_) {
+            for (int shift = 28; shift >= 0; shift -= 4) hex += digits[(word >> shift) & 0xf];
+        }
+        return hex;
+    }
+
+private:
+    static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+    void compress() {
+        static const uint32_t k[64] = {
+            0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+            0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+            0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+            0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+            0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+            0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+            0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+            0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+        };
+        uint32_t w[64];
+        for (int i = 0; i < 16; ++i) {
+            w[i] = (uint32_t(block_[4 * i]) << 24) | (uint32_t(block_[4 * i + 1]) << 16) |
+                   (uint32_t(block_[4 * i + 2]) << 8) | uint32_t(block_[4 * i + 3]);
+        }
+        for (int i = 16; i < 64; ++i) {
+            const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+            const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+        }
+        uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
+        uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
+        for (int i = 0; i < 64; ++i) {
+            const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+            const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+            h = g; g = f; f = e; e = d + t1;
+            d = c; c = b; b = a; a = t1 + t2;
+        }
+        state_[0] += a; state_[1] += b; state_[2] += c; state_[3] += d;
+        state_[4] += e; state_[5] += f; state_[6] += g; state_[7] += h;
+    }
+
+    uint32_t state_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                          0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    unsigned char block_[64] = {};
+    size_t block_used_ = 0;
+    uint64_t bits_ = 0;
+};
+
+inline Result<std::vector<unsigned char>> read_file(const std::string& path) {
+    std::ifstream stream(path, std::ios::binary);
+    if (!stream) return Status::error(path + ": cannot open (missing or unreadable)");
+    std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(stream)), std::istreambuf_iterator<char>());
+    if (stream.bad()) return Status::error(path + ": read error");
+    return bytes;
+}
+
+// Value of `#define name VALUE` in C header text, without surrounding quotes; empty if absent.
+inline std::string define_value(const std::string& text, const std::string& name) {
+    const std::string prefix = "#define " + name + " ";
+    size_t at = 0;
+    while ((at = text.find(prefix, at)) != std::string::npos) {
+        if (at == 0 || text[at - 1] == '\n') {
+            const size_t begin = at + prefix.size();
+            std::string value = text.substr(begin, text.find('\n', begin) - begin);
+            if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
+            return value;
+        }
+        at += prefix.size();
+    }
+    return "";
+}
+
+}  // namespace detail
+
+inline std::string sha256_hex(const unsigned char* data, size_t size) {
+    detail::Sha256 hash;
+    hash.update(data, size);
+    return hash.hex_digest();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA driver, resolved at run time. Each entry point is requested at the CUDA version of
+// the cudaTypedefs.h prototype it is stored as, so the driver hands back the matching ABI
+// variant (e.g. cuMemAlloc_v2 for 3020) whatever cuda.h version this was compiled with.
+
+struct Driver {
+    PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+    PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+    PFN_cuInit_v2000 init = nullptr;
+    PFN_cuDeviceGet_v2000 device_get = nullptr;
+    PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+    PFN_cuDevicePrimaryCtxRetain_v7000 device_primary_ctx_retain = nullptr;
+    PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
+    PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
+    PFN_cuCtxGetDevice_v2000 ctx_get_device = nullptr;
+    PFN_cuLibraryLoadData_v12000 library_load_data = nullptr;
+    PFN_cuLibraryUnload_v12000 library_unload = nullptr;
+    PFN_cuLibraryGetKernel_v12000 library_get_kernel = nullptr;
+    PFN_cuKernelSetAttribute_v12000 kernel_set_attribute = nullptr;
+    PFN_cuLaunchKernelEx_v11060 launch_kernel_ex = nullptr;
+    PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encode_tiled = nullptr;
+    // Memory and stream calls are not needed by the loader; programs without another way to
+    // reach the driver (e.g. examples/cpp) use them.
+    PFN_cuMemAlloc_v3020 mem_alloc = nullptr;
+    PFN_cuMemFree_v3020 mem_free = nullptr;
+    PFN_cuMemcpyHtoD_v3020 memcpy_htod = nullptr;
+    PFN_cuMemcpyDtoH_v3020 memcpy_dtoh = nullptr;
+    PFN_cuMemsetD16_v3020 memset_d16 = nullptr;
+    PFN_cuStreamSynchronize_v2000 stream_synchronize = nullptr;
+
+    // OK for CUDA_SUCCESS, else an error naming the call and the driver's error.
+    Status check(CUresult result, const char* call) const {
+        if (result == CUDA_SUCCESS) return Status();
+        const char* name = nullptr;
+        const char* text = nullptr;
+        if (get_error_name == nullptr || get_error_name(result, &name) != CUDA_SUCCESS) name = nullptr;
+        if (get_error_string == nullptr || get_error_string(result, &text) != CUDA_SUCCESS) text = nullptr;
+        return Status::error(std::string(call) + " failed: " + (name ? name : "CUresult " + std::to_string(result)) +
+                             " (" + (text ? text : "no description") + ")");
+    }
+};
+
+namespace detail {
+
+template <class Fn>
+Status resolve(PFN_cuGetProcAddress_v12000 get_proc_address, Fn& fn, const char* symbol, int cuda_version) {
+    void* address = nullptr;
+    CUdriverProcAddressQueryResult found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    const CUresult result = get_proc_address(symbol, &address, cuda_version, CU_GET_PROC_ADDRESS_DEFAULT, &found);
+    if (result != CUDA_SUCCESS || found != CU_GET_PROC_ADDRESS_SUCCESS || address == nullptr) {
+        return Status::error(std::string("fagen: the CUDA driver has no ") + symbol + " (version " +
+                             std::to_string(cuda_version) + "); fagen needs a driver for CUDA 12.0 or newer");
+    }
+    fn = reinterpret_cast<Fn>(address);
+    return Status();
+}
+
+inline Result<Driver> load_driver() {
+    // Never dlclose'd: kernels and contexts handed out by the driver must outlive every caller.
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+        const char* why = dlerror();
+        return Status::error(std::string("fagen: cannot load the CUDA driver libcuda.so.1 (") + (why ? why : "unknown") +
+                             "); is an NVIDIA driver installed?");
+    }
+    auto get_proc_address = reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(library, "cuGetProcAddress_v2"));
+    if (get_proc_address == nullptr) {
+        return Status::error("fagen: libcuda.so.1 has no cuGetProcAddress_v2; fagen needs a driver for CUDA 12.0 or newer");
+    }
+    Driver d;
+    const Status lookups[] = {
+        resolve(get_proc_address, d.get_error_name, "cuGetErrorName", 6000),
+        resolve(get_proc_address, d.get_error_string, "cuGetErrorString", 6000),
+        resolve(get_proc_address, d.init, "cuInit", 2000),
+        resolve(get_proc_address, d.device_get, "cuDeviceGet", 2000),
+        resolve(get_proc_address, d.device_get_attribute, "cuDeviceGetAttribute", 2000),
+        resolve(get_proc_address, d.device_primary_ctx_retain, "cuDevicePrimaryCtxRetain", 7000),
+        resolve(get_proc_address, d.ctx_get_current, "cuCtxGetCurrent", 4000),
+        resolve(get_proc_address, d.ctx_set_current, "cuCtxSetCurrent", 4000),
+        resolve(get_proc_address, d.ctx_get_device, "cuCtxGetDevice", 2000),
+        resolve(get_proc_address, d.library_load_data, "cuLibraryLoadData", 12000),
+        resolve(get_proc_address, d.library_unload, "cuLibraryUnload", 12000),
+        resolve(get_proc_address, d.library_get_kernel, "cuLibraryGetKernel", 12000),
+        resolve(get_proc_address, d.kernel_set_attribute, "cuKernelSetAttribute", 12000),
+        resolve(get_proc_address, d.launch_kernel_ex, "cuLaunchKernelEx", 11060),
+        resolve(get_proc_address, d.tensor_map_encode_tiled, "cuTensorMapEncodeTiled", 12000),
+        resolve(get_proc_address, d.mem_alloc, "cuMemAlloc", 3020),
+        resolve(get_proc_address, d.mem_free, "cuMemFree", 3020),
+        resolve(get_proc_address, d.memcpy_htod, "cuMemcpyHtoD", 3020),
+        resolve(get_proc_address, d.memcpy_dtoh, "cuMemcpyDtoH", 3020),
+        resolve(get_proc_address, d.memset_d16, "cuMemsetD16", 3020),
+        resolve(get_proc_address, d.stream_synchronize, "cuStreamSynchronize", 2000),
+    };
+    for (const Status& lookup : lookups) {
+        if (!lookup.ok()) return lookup;
+    }
+    if (Status s = d.check(d.init(0), "cuInit"); !s.ok()) return s;
+    return d;
+}
+
+}  // namespace detail
+
+// The process-wide driver table, loaded on first call (thread-safe).
+inline Result<const Driver*> driver() {
+    static const Result<Driver> loaded = detail::load_driver();
+    if (!loaded.ok()) return loaded.status();
+    return &loaded.value();
+}
+
+// Make a context of device `ordinal` current on the calling thread: keeps the current context
+// if it belongs to that device (e.g. one the CUDA runtime or torch made), otherwise makes the
+// device's primary context current (retained once, never released: the runtime shares it).
+inline Result<CUdevice> use_device(int ordinal) {
+    auto d = driver();
+    if (!d.ok()) return d.status();
+    const Driver& cu = *d.value();
+    CUdevice device = 0;
+    if (Status s = cu.check(cu.device_get(&device, ordinal), "cuDeviceGet"); !s.ok()) return s;
+    CUcontext current = nullptr;
+    if (Status s = cu.check(cu.ctx_get_current(&current), "cuCtxGetCurrent"); !s.ok()) return s;
+    if (current != nullptr) {
+        CUdevice current_device = 0;
+        if (Status s = cu.check(cu.ctx_get_device(&current_device), "cuCtxGetDevice"); !s.ok()) return s;
+        if (current_device == device) return device;
+    }
+    CUcontext primary = nullptr;
+    if (Status s = cu.check(cu.device_primary_ctx_retain(&primary, device), "cuDevicePrimaryCtxRetain"); !s.ok()) return s;
+    if (Status s = cu.check(cu.ctx_set_current(primary), "cuCtxSetCurrent"); !s.ok()) return s;
+    return device;
+}
+
+// The device of the calling thread's current context; device 0 (made current) if there is none.
+inline Result<CUdevice> current_device() {
+    auto d = driver();
+    if (!d.ok()) return d.status();
+    const Driver& cu = *d.value();
+    CUcontext current = nullptr;
+    if (Status s = cu.check(cu.ctx_get_current(&current), "cuCtxGetCurrent"); !s.ok()) return s;
+    if (current == nullptr) return use_device(0);
+    CUdevice device = 0;
+    if (Status s = cu.check(cu.ctx_get_device(&device), "cuCtxGetDevice"); !s.ok()) return s;
+    return device;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel selection: the rules of fagen.runtime.loader, on index.h rows.
+
+// Whether a cubin runs on a device: SASS is compatible only within a major version, and
+// arch-specific ("a") cubins only on exactly their compute capability.
+inline bool runs_on(const FagenKernelInfo& info, int cc_major, int cc_minor) {
+    if (info.arch_specific) return info.cc_major == cc_major && info.cc_minor == cc_minor;
+    return info.cc_major == cc_major && cc_minor >= info.cc_minor;
+}
+
+// Newer algorithm first, then the closest (highest) compute capability, then the "a" build.
+inline bool preferred_over(const FagenKernelInfo& a, const FagenKernelInfo& b) {
+    return std::make_tuple(a.fa_version, a.cc_major, a.cc_minor, a.arch_specific) >
+           std::make_tuple(b.fa_version, b.cc_major, b.cc_minor, b.arch_specific);
+}
+
+enum class DType { fp16, bf16 };
+
+inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
+
+// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal".
+inline std::string forward_key(DType dtype, int head_dim, bool causal) {
+    return std::string("fwd/") + dtype_name(dtype) + "/hd" + std::to_string(head_dim) + (causal ? "/causal" : "/full");
+}
+
+// Strides in elements of a (batch, seqlen, heads, head_dim) tensor whose last dim is contiguous.
+struct Strides {
+    long long batch = 0;
+    long long row = 0;
+    long long head = 0;
+
+    static Strides contiguous(int seqlen, int heads, int head_dim) {
+        return {static_cast<long long>(seqlen) * heads * head_dim, static_cast<long long>(heads) * head_dim, head_dim};
+    }
+};
+
+// One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k and v
+// (batch, seqlen_k, heads_kv, head_dim), out like q, optional lse (batch, heads_q, seqlen_q)
+// fp32, all device pointers. Strides default to contiguous. `causal` masks bottom-right aligned
+// (query row i sees keys j <= i + seqlen_k - seqlen_q); a row that sees no key gives zeros.
+struct Attention {
+    DType dtype = DType::bf16;
+    bool causal = false;
+    int batch = 0, seqlen_q = 0, seqlen_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+    CUdeviceptr q = 0, k = 0, v = 0, out = 0;
+    CUdeviceptr lse = 0;  // 0: not written
+    std::optional<Strides> q_strides, k_strides, v_strides, out_strides;
+    float softmax_scale = 0.0f;  // 0: 1 / sqrt(head_dim)
+};
+
+class Bundle;
+
+// One kernel of a bundle, loaded into the driver; usable from any thread and context.
+class Kernel {
+public:
+    const FagenKernelInfo& info() const { return *info_; }
+    bool uses_tma() const { return info_->tma_q_rows > 0; }
+
+    // Launch with a filled FagenFwdParams (and, for TMA kernels, maps of q, k, v) on `stream`
+    // in the calling thread's current context, whose device must have been prepared through
+    // Bundle::kernel.
+    Status launch(const FagenFwdParams& params, const FagenTmaMaps* maps, CUstream stream) const {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        if (uses_tma() && maps == nullptr) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " uses TMA and needs FagenTmaMaps");
+        }
+        CUlaunchConfig config{};
+        config.gridDimX = static_cast<unsigned>((params.seqlen_q + info_->block_m - 1) / info_->block_m);
+        config.gridDimY = static_cast<unsigned>(params.heads_q);
+        config.gridDimZ = static_cast<unsigned>(params.batch);
+        config.blockDimX = static_cast<unsigned>(info_->threads);
+        config.blockDimY = config.blockDimZ = 1;
+        config.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
+        config.hStream = stream;
+        void* arguments[2] = {const_cast<FagenFwdParams*>(&params), const_cast<FagenTmaMaps*>(maps)};
+        // A CUkernel is accepted wherever the launch API takes a CUfunction.
+        return d.value()->check(
+            d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(kernel_), arguments, nullptr),
+            "cuLaunchKernelEx");
+    }
+
+private:
+    friend class Bundle;
+    const FagenKernelInfo* info_ = nullptr;
+    std::vector<unsigned char> image_;  // the driver may read it lazily, after cuLibraryLoadData returns
+    CUlibrary library_ = nullptr;
+    CUkernel kernel_ = nullptr;
+    std::set<CUdevice> prepared_devices_;
+};
+
+class Bundle {
+public:
+    // Open the bundle directory this program was compiled against (its include/ holds the
+    // index.h compiled in). Reads files only; needs no driver or GPU.
+    static Result<Bundle> open(const std::string& directory) {
+        const std::string index_path = directory + "/include/fagen/index.h";
+        auto index = detail::read_file(index_path);
+        if (!index.ok()) return Status::error("fagen: " + directory + " is not a fagen bundle: " + index.status().message());
+        const std::string text(index.value().begin(), index.value().end());
+        const std::string schema = detail::define_value(text, "FAGEN_BUNDLE_SCHEMA_VERSION");
+        const std::string abi = detail::define_value(text, "FAGEN_BUNDLE_ABI_VERSION");
+        if (schema.empty() || abi.empty()) {
+            return Status::error("fagen: " + index_path + " has no FAGEN_BUNDLE_SCHEMA_VERSION/FAGEN_BUNDLE_ABI_VERSION");
+        }
+        if (std::atoi(schema.c_str()) > kSchemaVersion) {
+            return Status::error("fagen: bundle " + directory + " has manifest schema_version " + schema +
+                                 ", newer than this fagen.hpp reads (up to " + std::to_string(kSchemaVersion) +
+                                 "); rebuild the program against the bundle's include/ directory");
+        }
+        if (std::atoi(abi.c_str()) != kAbiVersion) {
+            return Status::error("fagen: bundle " + directory + " was built for kernel ABI version " + abi +
+                                 ", this program was compiled against ABI version " + std::to_string(kAbiVersion) +
+                                 " (params.h); rebuild the bundle with a matching fagen or the program against "
+                                 "the bundle's include/ directory");
+        }
+        auto manifest = detail::read_file(directory + "/manifest.json");
+        if (!manifest.ok()) return Status::error("fagen: " + manifest.status().message());
+        const std::string digest = sha256_hex(manifest.value().data(), manifest.value().size());
+        if (digest != FAGEN_BUNDLE_MANIFEST_SHA256) {
+            return Status::error("fagen: bundle " + directory + " is not the bundle this program was compiled against "
+                                 "(manifest.json sha256 " + digest.substr(0, 16) + "…, compiled-in index.h of bundle \"" +
+                                 FAGEN_BUNDLE_NAME + "\" expects " + std::string(FAGEN_BUNDLE_MANIFEST_SHA256).substr(0, 16) +
+                                 "…); rebuild the program against " + directory + "/include");
+        }
+        return Bundle(directory);
+    }
+
+    const std::string& directory() const { return state_->directory; }
+
+    // Check the size and sha256 of every cubin against index.h. Needs no driver or GPU.
+    Status verify() const {
+        for (const FagenKernelInfo& info : fagen_kernels) {
+            auto image = read_verified_cubin(info);
+            if (!image.ok()) return image.status();
+        }
+        return Status();
+    }
+
+    // The best kernel for `key` on a device of compute capability cc_major.cc_minor (rules of
+    // runs_on/preferred_over); the error says what the bundle holds and how to add the kernel.
+    Result<const FagenKernelInfo*> select(const std::string& key, int cc_major, int cc_minor) const {
+        const FagenKernelInfo* best = nullptr;
+        for (const FagenKernelInfo& info : fagen_kernels) {
+            if (key == info.key && runs_on(info, cc_major, cc_minor) && (best == nullptr || preferred_over(info, *best))) {
+                best = &info;
+            }
+        }
+        if (best != nullptr) return best;
+        const std::string cc = std::to_string(cc_major) + "." + std::to_string(cc_minor);
+        std::string message = "fagen: no kernel for '" + key + "' on a compute capability " + cc + " device in bundle " +
+                              directory() + ". The bundle holds:";
+        for (const FagenKernelInfo& info : fagen_kernels) {
+            message += std::string("\n  ") + info.arch + " (fa" + std::to_string(info.fa_version) + "): " + info.key;
+        }
+        message += "\nTo add it, put an entry for it (e.g. {fa_version: 2, arch: sm" + std::to_string(cc_major) +
+                   std::to_string(cc_minor) + ", ...}) under `kernels:` in the bundle's spec, run `fagen build SPEC -o " +
+                   directory() + "` and rebuild this program.";
+        return Status::error(message);
+    }
+
+    // The loaded kernel for `key` on the current context's device (device 0 if none is current),
+    // with its dynamic shared-memory limit raised on that device. Loads and verifies the cubin
+    // on first use; thread-safe.
+    Result<const Kernel*> kernel(const std::string& key) {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        const Driver& cu = *d.value();
+        auto device = current_device();
+        if (!device.ok()) return device.status();
+        int cc_major = 0, cc_minor = 0;
+        if (Status s = cu.check(cu.device_get_attribute(&cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device.value()),
+                                "cuDeviceGetAttribute");
+            !s.ok()) return s;
+        if (Status s = cu.check(cu.device_get_attribute(&cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device.value()),
+                                "cuDeviceGetAttribute");
+            !s.ok()) return s;
+        auto info = select(key, cc_major, cc_minor);
+        if (!info.ok()) return info.status();
+
+        std::lock_guard<std::mutex> lock(state_->mutex);
+        std::unique_ptr<Kernel>& slot = state_->kernels[info.value()->name];
+        if (slot == nullptr) {
+            auto loaded = load(*info.value(), cu);
+            if (!loaded.ok()) return loaded.status();
+            slot = std::move(loaded.value());
+        }
+        Kernel& kernel = *slot;
+        if (kernel.prepared_devices_.count(device.value()) == 0) {
+            // Device-wide and racy if done around launches: once per kernel and device, at load.
+            if (Status s = cu.check(cu.kernel_set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                            kernel.info_->dynamic_smem, kernel.kernel_, device.value()),
+                                    "cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
+                !s.ok()) return s;
+            kernel.prepared_devices_.insert(device.value());
+        }
+        return static_cast<const Kernel*>(&kernel);
+    }
+
+    // Run one attention forward on `stream` (in the current context): picks the kernel, checks
+    // the arguments, fills FagenFwdParams (and the TMA maps) and launches. Asynchronous.
+    Status attention(const Attention& a, CUstream stream) {
+        if (a.batch < 0 || a.seqlen_q < 0 || a.heads_q < 0) return Status::error("fagen: negative size in Attention");
+        if (a.batch == 0 || a.seqlen_q == 0 || a.heads_q == 0) return Status();
+        if (a.seqlen_k <= 0 || a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0) {
+            return Status::error("fagen: need seqlen_k >= 1 and heads_q (" + std::to_string(a.heads_q) +
+                                 ") a multiple of heads_kv (" + std::to_string(a.heads_kv) + ")");
+        }
+        if (a.heads_q > 65535 || a.batch > 65535) {
+            return Status::error("fagen: heads_q and batch must each be at most 65535 (CUDA grid limit)");
+        }
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal));
+        if (!kernel.ok()) return kernel.status();
+        const bool tma = kernel.value()->uses_tma();
+
+        const Strides q = a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const Strides k = a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
+        const Strides v = a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
+        const Strides o = a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
+            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
+        for (const auto& [name, tensor] : tensors) {
+            if (Status s = check_tensor(name, tensor.first, tensor.second, tma); !s.ok()) return s;
+        }
+
+        FagenFwdParams p{};
+        p.q = reinterpret_cast<const void*>(a.q);
+        p.k = reinterpret_cast<const void*>(a.k);
+        p.v = reinterpret_cast<const void*>(a.v);
+        p.o = reinterpret_cast<void*>(a.out);
+        p.lse = reinterpret_cast<float*>(a.lse);
+        p.q_batch_stride = q.batch; p.q_row_stride = q.row; p.q_head_stride = q.head;
+        p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
+        p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
+        p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
+        p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
+        p.lse_head_stride = a.seqlen_q;
+        p.batch = a.batch;
+        p.heads_q = a.heads_q;
+        p.heads_kv = a.heads_kv;
+        p.seqlen_q = a.seqlen_q;
+        p.seqlen_k = a.seqlen_k;
+        const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+        p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // the kernels work in base 2
+
+        if (!tma) return kernel.value()->launch(p, nullptr, stream);
+        FagenTmaMaps maps{};
+        const FagenKernelInfo& info = kernel.value()->info();
+        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, Strides, int> map_specs[] = {
+            {&maps.q, a.q, a.seqlen_q, a.heads_q, q, info.tma_q_rows},
+            {&maps.k, a.k, a.seqlen_k, a.heads_kv, k, info.tma_kv_rows},
+            {&maps.v, a.v, a.seqlen_k, a.heads_kv, v, info.tma_kv_rows},
+        };
+        for (const auto& [map, data, seqlen, heads, strides, box_rows] : map_specs) {
+            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, strides, box_rows);
+                !s.ok()) return s;
+        }
+        return kernel.value()->launch(p, &maps, stream);
+    }
+
+    Bundle(Bundle&&) = default;
+    Bundle& operator=(Bundle&&) = default;
+
+    // Unloads the cubins: work launched from this bundle must have finished.
+    ~Bundle() {
+        if (state_ == nullptr) return;
+        auto d = driver();
+        if (!d.ok()) return;
+        for (auto& entry : state_->kernels) {
+            if (entry.second != nullptr && entry.second->library_ != nullptr) d.value()->library_unload(entry.second->library_);
+        }
+    }
+
+private:
+    struct State {
+        std::string directory;
+        std::mutex mutex;
+        std::map<std::string, std::unique_ptr<Kernel>> kernels;
+    };
+
+    explicit Bundle(std::string directory) : state_(std::make_unique<State>()) { state_->directory = std::move(directory); }
+
+    Result<std::vector<unsigned char>> read_verified_cubin(const FagenKernelInfo& info) const {
+        const std::string path = directory() + "/" + info.cubin;
+        auto image = detail::read_file(path);
+        if (!image.ok()) return Status::error("fagen: cubin listed in index.h is missing: " + image.status().message());
+        const std::string digest = sha256_hex(image.value().data(), image.value().size());
+        if (image.value().size() != info.size || digest != info.sha256) {
+            return Status::error("fagen: " + path + ": checksum mismatch (index.h: " + std::to_string(info.size) +
+                                 " bytes, sha256 " + std::string(info.sha256).substr(0, 16) + "…; file: " +
+                                 std::to_string(image.value().size()) + " bytes, sha256 " + digest.substr(0, 16) +
+                                 "…); the bundle was modified after it was built — refusing to load it");
+        }
+        return image;
+    }
+
+    Result<std::unique_ptr<Kernel>> load(const FagenKernelInfo& info, const Driver& cu) const {
+        auto image = read_verified_cubin(info);
+        if (!image.ok()) return image.status();
+        auto kernel = std::make_unique<Kernel>();
+        kernel->info_ = &info;
+        kernel->image_ = std::move(image.value());
+        if (Status s = cu.check(cu.library_load_data(&kernel->library_, kernel->image_.data(), nullptr, nullptr, 0, nullptr,
+                                                     nullptr, 0),
+                                "cuLibraryLoadData");
+            !s.ok()) return s;
+        if (Status s = cu.check(cu.library_get_kernel(&kernel->kernel_, kernel->library_, info.name),
+                                (std::string("cuLibraryGetKernel(") + info.name + ")").c_str());
+            !s.ok()) {
+            cu.library_unload(kernel->library_);
+            return s;
+        }
+        return kernel;
+    }
+
+    // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8
+    // elements); a tensor map cannot describe a broadcast (stride 0) dimension.
+    static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
+        if (data == 0 || data % 16 != 0) {
+            return Status::error(std::string("fagen: ") + name + " must be a non-null, 16-byte aligned device pointer");
+        }
+        for (long long stride : {s.batch, s.row, s.head}) {
+            if (stride % 8 != 0 || stride < 0 || (tma && stride == 0)) {
+                return Status::error(std::string("fagen: ") + name + " strides (" + std::to_string(s.batch) + ", " +
+                                     std::to_string(s.row) + ", " + std::to_string(s.head) +
+                                     ") must be multiples of 8 elements" + (tma ? " and non-zero (TMA kernel)" : ""));
+            }
+        }
+        return Status();
+    }
+
+    // A tiled TMA map over the 4-D tensor (head_dim, seqlen, heads, batch), innermost first:
+    // boxes of 64 columns (128 bytes: the swizzle width) by `box_rows` rows, out-of-bounds zeros.
+    static Status encode_tensor_map(FagenTensorMap* out, DType dtype, CUdeviceptr data, int batch, int seqlen, int heads,
+                                    int head_dim, const Strides& strides, int box_rows) {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        constexpr cuuint64_t element_bytes = 2;
+        const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
+        const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
+                                            cuuint64_t(strides.batch) * element_bytes};
+        const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+        const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+        CUtensorMap map;
+        Status s = d.value()->check(
+            d.value()->tensor_map_encode_tiled(
+                &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                reinterpret_cast<void*>(data), dims, byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+            "cuTensorMapEncodeTiled");
+        if (!s.ok()) return s;
+        static_assert(sizeof(CUtensorMap) == sizeof(FagenTensorMap), "params.h FagenTensorMap must match CUtensorMap");
+        // CUtensorMap is over-aligned in recent cuda.h; FagenTensorMap keeps the 64 bytes the kernels need.
+        std::memcpy(out, &map, sizeof(FagenTensorMap));
+        return Status();
+    }
+
+    std::unique_ptr<State> state_;
+};
+
+}  // namespace fagen

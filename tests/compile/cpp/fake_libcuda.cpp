@@ -1,0 +1,186 @@
+// A stand-in libcuda.so.1 for CPU-only tests of fagen.hpp: "device" memory is host memory and a
+// "launch" runs a plain attention on the FagenFwdParams it is given, after checking the launch
+// configuration against the kernel's index.h row. A program that passes its own reference check
+// on top of this has filled the parameters (pointers, element strides, scale_log2, sizes) and the
+// grid the way the real kernels expect. Only what fagen.hpp and examples/cpp call exists.
+#include <cuda.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "fagen/index.h"
+#include "fagen/params.h"
+
+namespace {
+
+struct FakeKernel {
+    const FagenKernelInfo* info = nullptr;
+    int max_dynamic_smem = 0;
+};
+
+FakeKernel kernels[FAGEN_KERNEL_COUNT];
+int fake_context = 1;
+
+float load(const void* base, long long index, bool bf16) {
+    uint16_t h;
+    std::memcpy(&h, static_cast<const char*>(base) + 2 * index, 2);
+    if (bf16) {
+        const uint32_t bits = uint32_t(h) << 16;
+        float x;
+        std::memcpy(&x, &bits, 4);
+        return x;
+    }
+    const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    const float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -24) : std::ldexp(float(mantissa + 1024), exponent - 25);
+    return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+void store(void* base, long long index, float x, bool bf16) {
+    uint16_t h;
+    if (bf16) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, 4);
+        h = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    } else {
+        int exponent;
+        const float mantissa = std::frexp(std::fabs(x), &exponent);
+        h = std::fabs(x) < 6.103515625e-05f ? 0 : uint16_t(((exponent + 14) << 10) + (int(std::nearbyint(mantissa * 2048)) - 1024));
+        if (x < 0) h |= 0x8000;
+    }
+    std::memcpy(static_cast<char*>(base) + 2 * index, &h, 2);
+}
+
+void attention(const FagenFwdParams& p, bool bf16, bool causal, int head_dim) {
+    const int group = p.heads_q / p.heads_kv;
+    float* scores = new float[p.seqlen_k];
+    for (int b = 0; b < p.batch; ++b)
+        for (int h = 0; h < p.heads_q; ++h)
+            for (int i = 0; i < p.seqlen_q; ++i) {
+                const long long q_row = b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
+                const long long o_row = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+                const int last = causal ? std::min(p.seqlen_k - 1, i + p.seqlen_k - p.seqlen_q) : p.seqlen_k - 1;
+                float top = -INFINITY, total = 0;
+                for (int j = 0; j <= last; ++j) {
+                    const long long k_row = b * p.k_batch_stride + j * p.k_row_stride + (h / group) * p.k_head_stride;
+                    float dot = 0;
+                    for (int c = 0; c < head_dim; ++c) dot += load(p.q, q_row + c, bf16) * load(p.k, k_row + c, bf16);
+                    scores[j] = dot * p.scale_log2;
+                    top = std::fmax(top, scores[j]);
+                }
+                for (int j = 0; j <= last; ++j) total += (scores[j] = std::exp2(scores[j] - top));
+                for (int c = 0; c < head_dim; ++c) {
+                    float acc = 0;
+                    for (int j = 0; j <= last; ++j) {
+                        const long long v_row = b * p.v_batch_stride + j * p.v_row_stride + (h / group) * p.v_head_stride;
+                        acc += scores[j] * load(p.v, v_row + c, bf16);
+                    }
+                    store(p.o, o_row + c, last < 0 ? 0.0f : acc / total, bf16);
+                }
+                if (p.lse) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] =
+                    last < 0 ? -INFINITY : (top + std::log2(total)) / float(M_LOG2E);
+            }
+    delete[] scores;
+}
+
+CUresult get_error_name(CUresult, const char** text) { *text = "CUDA_ERROR_FAKE"; return CUDA_SUCCESS; }
+CUresult get_error_string(CUresult, const char** text) { *text = "rejected by the fake driver"; return CUDA_SUCCESS; }
+CUresult init(unsigned) { return CUDA_SUCCESS; }
+CUresult device_get(CUdevice* device, int ordinal) { *device = ordinal; return ordinal == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE; }
+CUresult device_get_attribute(int* value, CUdevice_attribute attribute, CUdevice) {
+    if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = std::atoi(std::getenv("FAKE_CC_MAJOR"));
+    else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = std::atoi(std::getenv("FAKE_CC_MINOR"));
+    else return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+thread_local CUcontext current = nullptr;
+CUresult primary_ctx_retain(CUcontext* context, CUdevice) { *context = reinterpret_cast<CUcontext>(&fake_context); return CUDA_SUCCESS; }
+CUresult ctx_get_current(CUcontext* context) { *context = current; return CUDA_SUCCESS; }
+CUresult ctx_set_current(CUcontext context) { current = context; return CUDA_SUCCESS; }
+CUresult ctx_get_device(CUdevice* device) { *device = 0; return current ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT; }
+CUresult library_load_data(CUlibrary* library, const void* image, CUjit_option*, void**, unsigned, CUlibraryOption*, void**, unsigned) {
+    *library = reinterpret_cast<CUlibrary>(const_cast<void*>(image));
+    return CUDA_SUCCESS;
+}
+CUresult library_unload(CUlibrary) { return CUDA_SUCCESS; }
+CUresult library_get_kernel(CUkernel* kernel, CUlibrary, const char* name) {
+    for (int i = 0; i < FAGEN_KERNEL_COUNT; ++i) {
+        if (std::strcmp(fagen_kernels[i].name, name) == 0) {
+            kernels[i].info = &fagen_kernels[i];
+            *kernel = reinterpret_cast<CUkernel>(&kernels[i]);
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
+CUresult kernel_set_attribute(CUfunction_attribute attribute, int value, CUkernel kernel, CUdevice) {
+    if (attribute != CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) return CUDA_ERROR_INVALID_VALUE;
+    reinterpret_cast<FakeKernel*>(kernel)->max_dynamic_smem = value;
+    return CUDA_SUCCESS;
+}
+CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction function, void** params, void**) {
+    const FakeKernel& kernel = *reinterpret_cast<FakeKernel*>(function);
+    const FagenKernelInfo& info = *kernel.info;
+    const FagenFwdParams& p = *static_cast<const FagenFwdParams*>(params[0]);
+    const bool launch_ok = current != nullptr && int(config->sharedMemBytes) == info.dynamic_smem &&
+                           kernel.max_dynamic_smem >= info.dynamic_smem && int(config->blockDimX) == info.threads &&
+                           config->blockDimY == 1 && config->blockDimZ == 1 &&
+                           int(config->gridDimX) == (p.seqlen_q + info.block_m - 1) / info.block_m &&
+                           int(config->gridDimY) == p.heads_q && int(config->gridDimZ) == p.batch;
+    if (!launch_ok) return CUDA_ERROR_INVALID_VALUE;
+    const std::string key = info.key;
+    const int head_dim = std::atoi(key.c_str() + key.find("/hd") + 3);
+    attention(p, key.find("/bf16/") != std::string::npos, key.find("/causal") != std::string::npos, head_dim);
+    return CUDA_SUCCESS;
+}
+CUresult tensor_map_encode_tiled(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+CUresult mem_alloc(CUdeviceptr* pointer, size_t bytes) {
+    *pointer = reinterpret_cast<CUdeviceptr>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
+    return CUDA_SUCCESS;
+}
+CUresult mem_free(CUdeviceptr pointer) { std::free(reinterpret_cast<void*>(pointer)); return CUDA_SUCCESS; }
+CUresult memcpy_htod(CUdeviceptr to, const void* from, size_t bytes) { std::memcpy(reinterpret_cast<void*>(to), from, bytes); return CUDA_SUCCESS; }
+CUresult memcpy_dtoh(void* to, CUdeviceptr from, size_t bytes) { std::memcpy(to, reinterpret_cast<void*>(from), bytes); return CUDA_SUCCESS; }
+CUresult memset_d16(CUdeviceptr to, unsigned short value, size_t count) {
+    for (size_t i = 0; i < count; ++i) std::memcpy(reinterpret_cast<char*>(to) + 2 * i, &value, 2);
+    return CUDA_SUCCESS;
+}
+CUresult stream_synchronize(CUstream) { return CUDA_SUCCESS; }
+
+struct Entry { const char* name; int version; void* function; };
+const Entry entries[] = {
+    {"cuGetErrorName", 6000, (void*)get_error_name}, {"cuGetErrorString", 6000, (void*)get_error_string},
+    {"cuInit", 2000, (void*)init}, {"cuDeviceGet", 2000, (void*)device_get},
+    {"cuDeviceGetAttribute", 2000, (void*)device_get_attribute}, {"cuDevicePrimaryCtxRetain", 7000, (void*)primary_ctx_retain},
+    {"cuCtxGetCurrent", 4000, (void*)ctx_get_current}, {"cuCtxSetCurrent", 4000, (void*)ctx_set_current},
+    {"cuCtxGetDevice", 2000, (void*)ctx_get_device}, {"cuLibraryLoadData", 12000, (void*)library_load_data},
+    {"cuLibraryUnload", 12000, (void*)library_unload}, {"cuLibraryGetKernel", 12000, (void*)library_get_kernel},
+    {"cuKernelSetAttribute", 12000, (void*)kernel_set_attribute}, {"cuLaunchKernelEx", 11060, (void*)launch_kernel_ex},
+    {"cuTensorMapEncodeTiled", 12000, (void*)tensor_map_encode_tiled}, {"cuMemAlloc", 3020, (void*)mem_alloc},
+    {"cuMemFree", 3020, (void*)mem_free}, {"cuMemcpyHtoD", 3020, (void*)memcpy_htod},
+    {"cuMemcpyDtoH", 3020, (void*)memcpy_dtoh}, {"cuMemsetD16", 3020, (void*)memset_d16},
+    {"cuStreamSynchronize", 2000, (void*)stream_synchronize},
+};
+
+}  // namespace
+
+// The real driver picks the ABI variant by version; here each name exists at one version, and a
+// request for any other fails so that a wrong version in fagen.hpp shows up.
+extern "C" CUresult cuGetProcAddress_v2(const char* symbol, void** function, int version, cuuint64_t,
+                                        CUdriverProcAddressQueryResult* found) {
+    for (const Entry& entry : entries) {
+        if (std::strcmp(entry.name, symbol) == 0 && entry.version == version) {
+            *function = entry.function;
+            *found = CU_GET_PROC_ADDRESS_SUCCESS;
+            return CUDA_SUCCESS;
+        }
+    }
+    *found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return CUDA_ERROR_NOT_FOUND;
+}

@@ -1,0 +1,177 @@
+"""Building bundles on the CPU: NVRTC, SASS checks, manifest, cache, integrity, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from rich.console import Console
+
+from fagen import abi, paths
+from fagen.bundle import format as bundle_format
+from fagen.bundle.format import BundleError, read_manifest, read_verified_cubin
+from fagen.bundle.writer import build_bundle
+from fagen.cli import main
+from fagen.codegen import RenderedKernel
+from fagen.compiler import CompileError
+from fagen.spec import algorithm_for, load_spec_file
+
+JOBS = os.cpu_count() or 1
+
+
+def test_every_kernel_has_its_algorithms_sass_and_no_local_memory(ci_small):
+    out, report = ci_small
+    for entry in report.manifest.kernels:
+        required = algorithm_for(entry.fa_version, entry.spec["direction"]).required_sass
+        assert {"HMMA", "LDSM", "LDGSTS"} <= set(entry.sass), entry.name
+        assert set(required) <= set(entry.sass), entry.name
+        assert not {"LDL", "STL"} & set(entry.sass), entry.name
+
+
+def test_no_spills_and_sane_resources(ci_small):
+    _, report = ci_small
+    for entry in report.manifest.kernels:
+        assert entry.resources.spill_bytes == 0, entry.name
+        assert 0 < entry.resources.registers <= 255, entry.name
+        assert entry.size > 0
+
+
+def test_bundle_layout(ci_small):
+    out, report = ci_small
+    for entry in report.manifest.kernels:
+        assert (out / entry.cubin).is_file() and (out / entry.source).is_file()
+        assert entry.cubin == f"cubin/{entry.arch}/{entry.name}.cubin"
+        assert read_verified_cubin(out, entry)
+    assert (out / "include/fagen/params.h").read_bytes() == (
+        paths.include_dir() / "fagen/params.h").read_bytes()
+
+
+def test_manifest_round_trips(ci_small):
+    out, _ = ci_small
+    text = (out / "manifest.json").read_text()
+    assert read_manifest(out).to_json() == text
+
+
+def test_manifest_records_versions_and_toolchain(ci_small):
+    _, report = ci_small
+    m = report.manifest
+    assert m.abi_version == abi.ABI_VERSION
+    assert m.schema_version == bundle_format.SCHEMA_VERSION
+    assert {"nvrtc", "cuda-bindings", "jinja2", "python"} <= set(m.toolchain)
+    assert len(m.fingerprint) == 64
+
+
+def test_c_index_mirrors_the_manifest(ci_small):
+    out, report = ci_small
+    header = (out / "include/fagen/index.h").read_text()
+    assert f"#define FAGEN_KERNEL_COUNT {len(report.manifest.kernels)}" in header
+    for entry in report.manifest.kernels:
+        assert f'"{entry.name}"' in header and f'"{entry.sha256}"' in header
+
+
+def test_rebuild_is_a_cache_hit_with_identical_output(ci_small, kernel_cache, tmp_path):
+    out, first = ci_small
+    assert first.compiled == len(first.kernels)
+    again = build_bundle(load_spec_file(paths.specs_dir() / "ci-small.yaml"), tmp_path / "b",
+                         jobs=JOBS, cache_dir=kernel_cache)
+    assert again.compiled == 0 and all(k.cached for k in again.kernels)
+    assert (tmp_path / "b/manifest.json").read_text() == (out / "manifest.json").read_text()
+
+
+def test_rebuild_in_place_replaces_the_bundle(ci_small, kernel_cache, tmp_path):
+    out = tmp_path / "bundle"
+    shutil.copytree(ci_small[0], out)
+    (out / "stale.txt").write_text("left over from an older build")
+    build_bundle(load_spec_file(paths.specs_dir() / "ci-small.yaml"), out, jobs=JOBS,
+                 cache_dir=kernel_cache)
+    assert not (out / "stale.txt").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".bundle.")
+                and not p.name.endswith(".lock")]
+
+
+def test_tampered_cubin_is_refused(ci_small, tmp_path):
+    out = tmp_path / "bundle"
+    shutil.copytree(ci_small[0], out)
+    entry = read_manifest(out).kernels[0]
+    data = bytearray((out / entry.cubin).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (out / entry.cubin).write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        read_verified_cubin(out, entry)
+
+
+def _edit_manifest(src, dst, **changes):
+    shutil.copytree(src, dst)
+    d = json.loads((dst / "manifest.json").read_text())
+    d.update(changes)
+    (dst / "manifest.json").write_text(json.dumps(d))
+
+
+def test_wrong_abi_version_is_refused_naming_both(ci_small, tmp_path):
+    _edit_manifest(ci_small[0], tmp_path / "b", abi_version=abi.ABI_VERSION + 7)
+    with pytest.raises(BundleError) as info:
+        read_manifest(tmp_path / "b")
+    assert str(abi.ABI_VERSION + 7) in str(info.value) and str(abi.ABI_VERSION) in str(info.value)
+
+
+def test_newer_schema_is_refused(ci_small, tmp_path):
+    newer = bundle_format.SCHEMA_VERSION + 1
+    _edit_manifest(ci_small[0], tmp_path / "b", schema_version=newer)
+    with pytest.raises(BundleError, match=f"schema_version {newer} is newer"):
+        read_manifest(tmp_path / "b")
+
+
+def test_failed_compile_keeps_source_and_old_bundle(ci_small, kernel_cache, tmp_path, monkeypatch):
+    out = tmp_path / "bundle"
+    shutil.copytree(ci_small[0], out)
+    before = (out / "manifest.json").read_text()
+
+    def broken(spec):
+        return RenderedKernel(spec, spec.name, "extern \"C\" __global__ void f() { nope; }\n", "x")
+
+    monkeypatch.setattr("fagen.bundle.writer.render", broken)
+    with pytest.raises(CompileError) as info:
+        build_bundle(load_spec_file(paths.specs_dir() / "ci-small.yaml"), out, jobs=JOBS,
+                     cache_dir=kernel_cache)
+    assert "nope" in info.value.log_excerpt()
+    assert info.value.source_path.is_file()
+    assert info.value.source_path.is_relative_to(tmp_path / "bundle.failed")
+    assert (out / "manifest.json").read_text() == before
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_bundle(tmp_path, kernel_cache):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a fagen bundle"):
+        build_bundle(load_spec_file(paths.specs_dir() / "ci-small.yaml"), tmp_path, jobs=1,
+                     cache_dir=kernel_cache)
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_cli_build_and_list(ci_small, kernel_cache, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAGEN_CACHE", str(kernel_cache))
+    monkeypatch.setattr("fagen.cli._out", Console(width=250))
+    out = tmp_path / "cli"
+    assert main(["build", str(paths.specs_dir() / "ci-small.yaml"), "-o", str(out), "-j", "1"]) == 0
+    assert "cached" in capsys.readouterr().out
+    assert main(["list", str(out)]) == 0
+    listed = capsys.readouterr().out
+    assert all(e.key in listed for e in read_manifest(out).kernels)
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bundle: b\nkernels:\n  - {fa_version: 2, arch: sm90a, dtype: fp16, head_dim: 64}\n")
+    assert main(["build", str(bad), "-o", str(tmp_path / "out")]) == 1
+    assert main(["list", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert "arch=sm90a" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec_path", sorted(paths.specs_dir().glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_spec_builds(spec_path, kernel_cache, tmp_path):
+    expansion = load_spec_file(spec_path)
+    report = build_bundle(expansion, tmp_path / expansion.bundle, jobs=JOBS, cache_dir=kernel_cache)
+    assert len(report.manifest.kernels) == len(expansion.specs)
+    assert all(e.resources.spill_bytes == 0 for e in report.manifest.kernels)

@@ -1,0 +1,206 @@
+"""fagen.hpp and examples/cpp without a GPU: the example builds with CMake against a fresh bundle
+and runs end to end on a fake libcuda.so.1 (tests/compile/cpp/fake_libcuda.cpp); the header
+refuses tampered and other-ABI bundles; its kernel selection matches the Python loader's.
+
+cuda.h comes from the pip wheel nvidia-cuda-runtime (the `dev` extra) or a CUDA toolkit."""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
+from fagen.bundle.cindex import INDEX_HEADER, render_index_header
+from fagen.bundle.format import MANIFEST_NAME, Manifest
+from fagen.runtime.loader import KernelNotFound, select
+
+REPO = Path(__file__).resolve().parents[2]
+CPP_TESTS = Path(__file__).resolve().parent / "cpp"
+CXX = shutil.which("g++") or shutil.which("c++")
+CMAKE = shutil.which("cmake")
+WARNINGS = ["-Wall", "-Wextra", "-Wpedantic", "-Werror"]
+
+pytestmark = pytest.mark.skipif(
+    CXX is None or CMAKE is None, reason="needs cmake and g++ (or c++) on PATH to build C++ consumers"
+)
+
+
+def cuda_include_dir() -> Path | None:
+    """A directory with cuda.h and cudaTypedefs.h: the pip wheel's, else a toolkit's."""
+    try:
+        import nvidia
+        candidates = [Path(p) / sub / "include" for p in nvidia.__path__ for sub in ("cu13", "cu12")]
+    except ImportError:
+        candidates = []
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda.h").is_file() and (c / "cudaTypedefs.h").is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def cuda_include():
+    found = cuda_include_dir()
+    if found is None:
+        pytest.skip("no cuda.h: `pip install nvidia-cuda-runtime` (dev extra) or install a CUDA toolkit")
+    return found
+
+
+def compile_program(source: Path, bundle_dir: Path, cuda_include: Path, out: Path, *flags: str):
+    return subprocess.run(
+        [CXX, "-std=c++17", *flags, f"-I{bundle_dir / 'include'}", f"-I{cuda_include}", str(source), "-o", str(out), "-ldl"],
+        capture_output=True, text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def open_bundle(ci_small, cuda_include, tmp_path_factory):
+    """The open/verify test program, compiled against the ci-small bundle with -Werror."""
+    out = tmp_path_factory.mktemp("open-bundle") / "open_bundle"
+    built = compile_program(CPP_TESTS / "open_bundle.cpp", ci_small[0], cuda_include, out, "-O1", *WARNINGS)
+    assert built.returncode == 0, built.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def example(ci_small, cuda_include, tmp_path_factory):
+    """examples/cpp configured and built with CMake against the ci-small bundle."""
+    build = tmp_path_factory.mktemp("example-build")
+    configure = subprocess.run(
+        [CMAKE, "-S", str(REPO / "examples" / "cpp"), "-B", str(build), f"-DFAGEN_BUNDLE_DIR={ci_small[0]}",
+         f"-DFAGEN_CUDA_INCLUDE_DIR={cuda_include}", "-DCMAKE_BUILD_TYPE=Release"],
+        capture_output=True, text=True,
+    )
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    compiled = subprocess.run([CMAKE, "--build", str(build)], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    assert "warning" not in compiled.stdout + compiled.stderr
+    return build / "fagen_attention"
+
+
+@pytest.fixture(scope="module")
+def fake_driver(ci_small, cuda_include, tmp_path_factory):
+    """A directory holding the fake libcuda.so.1, for LD_LIBRARY_PATH."""
+    directory = tmp_path_factory.mktemp("fake-driver")
+    built = compile_program(CPP_TESTS / "fake_libcuda.cpp", ci_small[0], cuda_include, directory / "libcuda.so.1",
+                            "-O2", "-shared", "-fPIC")
+    assert built.returncode == 0, built.stderr
+    return directory
+
+
+def run(program: Path, *args: str, driver_dir: Path | None = None, cc: tuple[int, int] = (9, 0)):
+    env = {**os.environ, "FAKE_CC_MAJOR": str(cc[0]), "FAKE_CC_MINOR": str(cc[1])}
+    if driver_dir is not None:
+        env["LD_LIBRARY_PATH"] = str(driver_dir)
+    return subprocess.run([str(program), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_example_does_not_link_libcuda(example):
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("no readelf to list the example's shared-library dependencies")
+    needed = subprocess.run([readelf, "-d", str(example)], capture_output=True, text=True, check=True).stdout
+    assert "libcuda" not in needed
+
+
+@pytest.mark.parametrize("cc, args", [
+    ((9, 0), ["--causal"]),
+    ((9, 0), ["--seqlen-q", "1", "--seqlen-k", "1000", "--heads-q", "3", "--heads-kv", "3"]),
+    ((8, 6), ["--dtype", "fp16", "--head-dim", "128", "--causal", "--seqlen-q", "300", "--seqlen-k", "33"]),
+], ids=["sm90-bf16-causal-gqa", "sm90-bf16-one-query", "sm86-fp16-causal-masked-rows"])
+def test_example_runs_on_fake_driver(example, fake_driver, tmp_path, cc, args):
+    result = run(example, *args, "--dump", tmp_path, driver_dir=fake_driver, cc=cc)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
+    problem = json.loads((tmp_path / "problem.json").read_text())
+    q_elements = problem["batch"] * problem["seqlen_q"] * problem["heads_q"] * problem["head_dim"]
+    assert (tmp_path / "q.bin").stat().st_size == 2 * q_elements
+    assert (tmp_path / "out.bin").stat().st_size == 2 * q_elements
+    assert (tmp_path / "lse.bin").stat().st_size == 4 * problem["batch"] * problem["heads_q"] * problem["seqlen_q"]
+
+
+def test_example_names_what_the_bundle_holds(example, fake_driver):
+    result = run(example, "--dtype", "bf16", driver_dir=fake_driver, cc=(8, 0))
+    assert result.returncode == 2
+    assert "no kernel for 'fwd/bf16/hd64/full' on a compute capability 8.0 device" in result.stderr
+    assert "sm90 (fa2): fwd/bf16/hd64/full" in result.stderr and "fagen build" in result.stderr
+
+
+def test_example_without_driver(example, tmp_path):
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a real libcuda is installed here")
+    result = run(example, driver_dir=tmp_path)
+    assert result.returncode == 2
+    assert "cannot load the CUDA driver libcuda.so.1" in result.stderr
+
+
+def test_cpp_accepts_good_bundle(open_bundle, ci_small):
+    result = run(open_bundle, ci_small[0])
+    assert result.returncode == 0, result.stderr
+    assert f"ok: {len(ci_small[1].manifest.kernels)} kernels verified" in result.stdout
+
+
+def test_cpp_refuses_tampered_cubin(open_bundle, ci_small, tmp_path):
+    tampered = copy_bundle(ci_small[0], tmp_path / "tampered")
+    cubin = tamper_cubin(tampered)
+    result = run(open_bundle, tampered)
+    assert result.returncode == 1
+    assert f"{cubin}: checksum mismatch" in result.stderr and "refusing to load it" in result.stderr
+
+
+def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):
+    other = copy_bundle(ci_small[0], tmp_path / "other-abi")
+    set_abi_version(other)
+    result = run(open_bundle, other)
+    assert result.returncode == 1
+    assert f"built for kernel ABI version {OTHER_ABI_VERSION}" in result.stderr
+    assert "compiled against ABI version 1" in result.stderr
+
+
+def test_cpp_refuses_newer_schema(open_bundle, ci_small, tmp_path):
+    newer = copy_bundle(ci_small[0], tmp_path / "newer")
+    index = newer / INDEX_HEADER
+    index.write_text(index.read_text().replace("#define FAGEN_BUNDLE_SCHEMA_VERSION 1", "#define FAGEN_BUNDLE_SCHEMA_VERSION 7"))
+    result = run(open_bundle, newer)
+    assert result.returncode == 1
+    assert "schema_version 7, newer than this fagen.hpp reads (up to 1)" in result.stderr
+
+
+def test_cpp_refuses_a_bundle_it_was_not_compiled_against(open_bundle, ci_small, tmp_path):
+    other = copy_bundle(ci_small[0], tmp_path / "other")
+    d = json.loads((other / MANIFEST_NAME).read_text())
+    d["bundle"] = "another-bundle"
+    manifest = Manifest.from_dict(d)
+    (other / MANIFEST_NAME).write_text(manifest.to_json())
+    (other / INDEX_HEADER).write_text(render_index_header(manifest))
+    result = run(open_bundle, other)
+    assert result.returncode == 1
+    assert "is not the bundle this program was compiled against" in result.stderr
+
+
+def test_headers_mixing_two_abis_do_not_compile(ci_small, cuda_include, tmp_path):
+    mixed = copy_bundle(ci_small[0], tmp_path / "mixed")
+    set_abi_version(mixed)  # index.h says 99, params.h still 1
+    built = compile_program(CPP_TESTS / "open_bundle.cpp", mixed, cuda_include, tmp_path / "open_bundle")
+    assert built.returncode != 0
+    assert "different kernel ABI versions" in built.stderr
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)], ids=lambda cc: f"cc{cc[0]}{cc[1]}")
+def test_cpp_selection_matches_python(open_bundle, ci_small, cc):
+    entries = ci_small[1].manifest.kernels
+    for key in sorted({e.key for e in entries}):
+        try:
+            expected = select(entries, key, cc).name
+        except KernelNotFound:
+            expected = "none"
+        result = run(open_bundle, ci_small[0], key, *cc)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected, (key, cc)

@@ -1,0 +1,151 @@
+"""examples/cpp on the GPU: build it against the bundle under test, run it on random inputs with
+--dump, and hold its output to the rule of DESIGN.md (max error at most 2x that of plain torch in
+the low precision, against an fp32 reference), next to fagen.torch.flash_attn_func on the same
+inputs. Skips without a GPU, cmake/g++ or a bundle; needs no pydantic."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen.torch import flash_attn_func  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CXX = shutil.which("g++") or shutil.which("c++")
+CMAKE = shutil.which("cmake")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): GQA with seqlen_q > seqlen_k (causal rows that
+# see no key), and a single query against many keys.
+SIZES = ((2, 300, 257, 4, 2), (1, 1, 1000, 3, 3))
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(CXX is None or CMAKE is None, reason="needs cmake and g++ to build examples/cpp"),
+]
+
+
+def cuda_include_override() -> list[str]:
+    """-DFAGEN_CUDA_INCLUDE_DIR for the pip wheel's cuda.h when there is one; else CMake finds the toolkit."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    for root in nvidia.__path__:
+        for sub in ("cu13", "cu12"):
+            include = Path(root) / sub / "include"
+            if (include / "cuda.h").is_file() and (include / "cudaTypedefs.h").is_file():
+                return [f"-DFAGEN_CUDA_INCLUDE_DIR={include}"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def example(bundle, tmp_path_factory):
+    build = tmp_path_factory.mktemp("cpp-example")
+    configure = subprocess.run(
+        [CMAKE, "-S", str(REPO / "examples" / "cpp"), "-B", str(build), f"-DFAGEN_BUNDLE_DIR={bundle.path}",
+         "-DCMAKE_BUILD_TYPE=Release", *cuda_include_override()],
+        capture_output=True, text=True,
+    )
+    if configure.returncode != 0 and "cuda.h not found" in configure.stdout + configure.stderr:
+        pytest.skip("no cuda.h for the example: install a CUDA toolkit or `pip install nvidia-cuda-runtime`")
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    compiled = subprocess.run([CMAKE, "--build", str(build)], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    return build / "fagen_attention"
+
+
+def runnable_keys(bundle) -> list[str]:
+    cc = torch.cuda.get_device_capability()
+    keys = sorted({e.key for e in bundle.kernels if e.key.startswith("fwd/")})
+    runnable = []
+    for key in keys:
+        try:
+            bundle.select(key, cc)
+        except LookupError:
+            continue
+        runnable.append(key)
+    if not runnable:
+        pytest.skip(f"the bundle has no forward kernel for compute capability {cc[0]}.{cc[1]}")
+    return runnable
+
+
+def attention_math(q, k, v, causal, scale, dtype):
+    """Explicit softmax attention in `dtype`: out (b, sq, h, d) and LSE (b, h, sq)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    qh = q.to(dtype).transpose(1, 2)
+    kh = k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        row = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+        col = torch.arange(seqlen_k, device=q.device).view(1, -1)
+        scores = scores.masked_fill(col > row + (seqlen_k - seqlen_q), -math.inf)
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ vh).transpose(1, 2), lse
+
+
+def read_dump(directory: Path, name: str, shape, dtype) -> torch.Tensor:
+    data = bytearray((directory / f"{name}.bin").read_bytes())
+    return torch.frombuffer(data, dtype=dtype).view(shape).cuda()
+
+
+def run_example(example, key: str, size, seed: int, dump: Path) -> dict:
+    direction, dtype, head_dim, mask = key.split("/")
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = size
+    args = [str(example), "--dtype", dtype, "--head-dim", head_dim[2:], "--batch", batch, "--seqlen-q", seqlen_q,
+            "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed, "--dump", dump]
+    if mask == "causal":
+        args.append("--causal")
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{key} {size}: exit {result.returncode}\n{result.stdout}{result.stderr}"
+    return json.loads((dump / "problem.json").read_text())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size):
+    cc = torch.cuda.get_device_capability()
+    for seed, key in enumerate(runnable_keys(bundle)):
+        dump = tmp_path / key.replace("/", "_") / "x".join(map(str, size))
+        dump.mkdir(parents=True)
+        problem = run_example(example, key, size, seed, dump)
+        assert problem["kernel"] == bundle.select(key, cc).name, "C++ and Python selected different kernels"
+
+        dtype = DTYPES[problem["dtype"]]
+        batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
+        heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+        causal, scale = problem["causal"], problem["softmax_scale"]
+        q = read_dump(dump, "q", (batch, seqlen_q, heads_q, head_dim), dtype)
+        k = read_dump(dump, "k", (batch, seqlen_k, heads_kv, head_dim), dtype)
+        v = read_dump(dump, "v", (batch, seqlen_k, heads_kv, head_dim), dtype)
+        out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim), dtype)
+        lse_cpp = read_dump(dump, "lse", (batch, heads_q, seqlen_q), torch.float32)
+
+        out_torch, lse_torch = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                                               bundle=bundle)
+        ref, _ = attention_math(q, k, v, causal, scale, torch.float32)
+        low, _ = attention_math(q, k, v, causal, scale, dtype)
+        low_error = (low.float() - ref).abs().max().item()
+        cpp_error = (out_cpp.float() - ref).abs().max().item()
+        torch_error = (out_torch.float() - ref).abs().max().item()
+        between = (out_cpp.float() - out_torch.float()).abs().max().item()
+        context = (f"{key} {size}: C++ {cpp_error:.3e}, flash_attn_func {torch_error:.3e}, torch {dtype} "
+                   f"{low_error:.3e}, C++ vs flash_attn_func {between:.3e}")
+        assert not out_cpp.isnan().any(), f"{context}: C++ output has NaN (unwritten elements)"
+        assert cpp_error <= 2 * low_error + 1e-5, context
+        assert torch_error <= 2 * low_error + 1e-5, context
+        assert between <= 2 * low_error + 1e-5, context
+        assert torch.equal(torch.isfinite(lse_cpp), torch.isfinite(lse_torch)), f"{context}: LSE -inf rows differ"
+        finite = torch.isfinite(lse_torch)
+        if finite.any():
+            lse_gap = (lse_cpp - lse_torch)[finite].abs().max().item()
+            assert lse_gap <= 1e-3, f"{context}: LSE differs by {lse_gap:.3e}"

@@ -1,0 +1,267 @@
+"""FA2 forward on the GPU against an fp32 torch reference (the rule of DESIGN.md "Numerics").
+
+An output passes when its max error is at most 2x the error of the same math done by plain
+torch in the low precision, plus a small atol. Outputs are poisoned with NaN through the caching
+allocator, so an element the kernel never writes fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen.torch import KernelNotFound, flash_attn_func, kernel_key  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+# (batch, seqlen_q, seqlen_k): seqlen 1, odd sizes, seqlen_q != seqlen_k in both directions
+# (causal with seqlen_q > seqlen_k has rows that see no key), one query against many keys.
+SIZES = ((1, 1, 1), (2, 17, 17), (1, 1000, 1000), (2, 128, 300), (2, 300, 128), (1, 1, 1000))
+LONG_SIZE = (1, 4097, 4097)
+HEADS = 3
+
+
+def require_kernel(bundle, dtype, head_dim, causal):
+    key = kernel_key(dtype, head_dim, causal)
+    try:
+        bundle.select(key, torch.cuda.get_device_capability())
+    except KernelNotFound as exc:
+        pytest.skip(f"bundle has no {key} for this device: {str(exc).splitlines()[0]}")
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def attention_math(q, k, v, causal, scale, dtype):
+    """Explicit softmax attention computed in `dtype`; returns out (b, sq, h, d) and LSE (b, h, sq)."""
+    seqlen_q, heads_q = q.shape[1], q.shape[2]
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    qh = q.to(dtype).transpose(1, 2)
+    kh = k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        row = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+        col = torch.arange(seqlen_k, device=q.device).view(1, -1)
+        scores = scores.masked_fill(col > row + (seqlen_k - seqlen_q), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row that sees no key: softmax gives NaN, the defined result is 0 (and LSE -inf).
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ vh).transpose(1, 2), lse
+
+
+def poison_allocator(*shapes_and_dtypes):
+    """Leave NaN in the free blocks that allocations of these shapes will get next.
+
+    The caching allocator hands out the best-fitting free block, so allocating the same sizes in
+    the same order right after these are freed lands on the same (NaN-filled) memory.
+    """
+    torch.cuda.empty_cache()
+    blocks = [torch.full(shape, math.nan, dtype=dtype, device="cuda") for shape, dtype in shapes_and_dtypes]
+    del blocks
+
+
+def run_poisoned(q, k, v, **kwargs):
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    poison_allocator(((batch, seqlen_q, heads_q, head_dim), q.dtype), ((batch, heads_q, seqlen_q), torch.float32))
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **kwargs)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def assert_close_to_reference(out, lse, q, k, v, causal, scale=None):
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ref_out, ref_lse = attention_math(q, k, v, causal, scale, torch.float32)
+    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
+    assert not lse.isnan().any(), "LSE has NaN (unwritten or bad math)"
+
+    error = (out.float() - ref_out).abs().max().item()
+    low_error = (low_out.float() - ref_out).abs().max().item()
+    assert error <= 2 * low_error + 1e-5, f"max |out - ref| = {error:.3e}, torch low precision: {low_error:.3e}"
+
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE finite/-inf pattern differs from the reference"
+    assert (lse[~finite] == -math.inf).all(), "rows that see no key must have LSE -inf"
+    if finite.any():
+        lse_error = (lse - ref_lse)[finite].abs().max().item()
+        low_lse_error = (low_lse.float() - ref_lse)[finite].abs().max().item()
+        assert lse_error <= 2 * low_lse_error + 1e-3, (
+            f"max |lse - ref| = {lse_error:.3e}, torch low precision: {low_lse_error:.3e}"
+        )
+
+
+def check_case(bundle, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, causal):
+    require_kernel(bundle, dtype, head_dim, causal)
+    torch.manual_seed(seqlen_q * 7919 + seqlen_k * 31 + head_dim)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+    out, lse = run_poisoned(q, k, v, causal=causal)
+    assert_close_to_reference(out, lse, q, k, v, causal)
+
+
+def test_poisoning_reaches_the_next_allocation():
+    poison_allocator(((2, 300, 3, 128), torch.bfloat16), ((2, 3, 300), torch.float32))
+    out = torch.empty(2, 300, 3, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(2, 3, 300, dtype=torch.float32, device="cuda")
+    assert out.isnan().all() and lse.isnan().all()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp16", "bf16"))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_matches_reference(bundle, head_dim, dtype, causal, size):
+    batch, seqlen_q, seqlen_k = size
+    check_case(bundle, batch, seqlen_q, seqlen_k, HEADS, HEADS, head_dim, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp16", "bf16"))
+@pytest.mark.parametrize("head_dim", (128, 256))
+def test_long_sequence(bundle, head_dim, dtype, causal):
+    check_case(bundle, *LONG_SIZE, 2, 2, head_dim, dtype, causal)
+
+
+@pytest.mark.parametrize("heads", ((8, 1), (8, 4)), ids=("mqa8to1", "gqa2to1"))
+@pytest.mark.parametrize("size", ((2, 300, 300), (2, 128, 300), (2, 300, 128)), ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_grouped_query_attention(bundle, head_dim, causal, size, heads):
+    check_case(bundle, *size, *heads, head_dim, torch.bfloat16, causal)
+
+
+def _transposed(shape, dtype):
+    batch, seqlen, heads, head_dim = shape
+    return torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+
+
+def _strided_last_dim(shape, dtype):
+    return torch.randn(*shape[:3], 2 * shape[3], device="cuda", dtype=dtype)[..., ::2]
+
+
+def _misaligned(shape, dtype):
+    return torch.randn(math.prod(shape) + 1, device="cuda", dtype=dtype)[1:].view(shape)
+
+
+def _padded_rows(shape, dtype):
+    return torch.randn(*shape[:3], shape[3] + 8, device="cuda", dtype=dtype)[..., : shape[3]]
+
+
+@pytest.mark.parametrize(
+    "layout", (_transposed, _strided_last_dim, _misaligned, _padded_rows),
+    ids=("transposed", "strided_last_dim", "misaligned", "padded_rows"),
+)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_non_contiguous_inputs(bundle, layout, causal):
+    head_dim, dtype = 128, torch.bfloat16
+    require_kernel(bundle, dtype, head_dim, causal)
+    torch.manual_seed(0)
+    q = layout((2, 257, 4, head_dim), dtype)
+    k = layout((2, 300, 2, head_dim), dtype)
+    v = layout((2, 300, 2, head_dim), dtype)
+    out, lse = run_poisoned(q, k, v, causal=causal)
+    assert_close_to_reference(out, lse, q, k, v, causal)
+
+
+def test_broadcast_kv(bundle):
+    require_kernel(bundle, torch.bfloat16, 64, True)
+    torch.manual_seed(1)
+    q, k, v = random_qkv(3, 200, 250, 4, 2, 64, torch.bfloat16)
+    k, v = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
+    out, lse = run_poisoned(q, k, v, causal=True)
+    assert_close_to_reference(out, lse, q, k, v, True)
+
+
+def test_softmax_scale(bundle):
+    require_kernel(bundle, torch.float16, 96, False)
+    torch.manual_seed(2)
+    q, k, v = random_qkv(2, 333, 333, 2, 2, 96, torch.float16)
+    out, lse = run_poisoned(q, k, v, causal=False, softmax_scale=0.3)
+    assert_close_to_reference(out, lse, q, k, v, False, scale=0.3)
+
+
+def test_return_lse_shapes(bundle):
+    require_kernel(bundle, torch.bfloat16, 64, False)
+    q, k, v = random_qkv(2, 33, 65, 4, 2, 64, torch.bfloat16)
+    out = flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 33, 4, 64)
+    out2, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out2.shape == (2, 33, 4, 64) and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert torch.equal(out, out2)
+
+
+def test_side_stream(bundle):
+    require_kernel(bundle, torch.bfloat16, 128, True)
+    q, k, v = random_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16)
+    expected = flash_attn_func(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = flash_attn_func(q, k, v, causal=True)
+    stream.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_cuda_graph_capture(bundle):
+    require_kernel(bundle, torch.bfloat16, 128, False)
+    q, k, v = random_qkv(2, 256, 256, 4, 4, 128, torch.bfloat16)
+    expected = flash_attn_func(q, k, v)  # loads the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attn_func(q, k, v))
+    assert not torch.equal(out, expected)
+
+
+def test_torch_compile_fullgraph(bundle):
+    require_kernel(bundle, torch.bfloat16, 128, True)
+
+    def block(q, k, v):  # exact scalings only, so compiled and eager agree bit for bit
+        return flash_attn_func(q * 0.5, k, v, causal=True) * 2
+
+    q, k, v = random_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size", ((0, 16, 16), (2, 0, 16), (2, 16, 0)), ids=("batch0", "seqlen_q0", "seqlen_k0"))
+def test_empty_inputs(bundle, size):
+    require_kernel(bundle, torch.bfloat16, 64, False)
+    batch, seqlen_q, seqlen_k = size
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 2, 2, 64, torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (batch, seqlen_q, 2, 64) and lse.shape == (batch, 2, seqlen_q)
+    if out.numel():
+        assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_missing_head_dim_names_the_fix(bundle):
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 40, torch.bfloat16)
+    with pytest.raises(KernelNotFound, match=r"fwd/bf16/hd40/full[\s\S]*fagen build"):
+        flash_attn_func(q, k, v)
+
+
+def test_bad_dtype_is_rejected(bundle):
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 64, torch.float32)
+    with pytest.raises(TypeError, match="float32"):
+        flash_attn_func(q, k, v)

@@ -1,0 +1,194 @@
+"""A numpy model of the FA4 forward kernel's arithmetic (templates/include/fagen/fa4/forward.cuh).
+
+No Blackwell GPU exists to run the kernel, so its math is checked here instead, step for step:
+the same 128-row query blocks and key-block order (last block first), the same causal key
+limits, scores and probabilities in fp32, P rounded to the input precision before P V (P is
+stored to TMEM as 16-bit pairs), l summed from the unrounded probabilities, the same reference-
+maximum rule (conditional rescaling), the same exp2 polynomial evaluated in fp32, and the final
+O / l rounded to the input precision. numpy has no fused multiply-add, so the polynomial here
+rounds once more per Horner step than the kernel's FFMAs: a difference of an fp32 ulp or two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK_M = 128
+LOWEST_EXPONENT = -127.0  # at or below it the kernel's polynomial returns +0
+
+
+def fit_exp2_polynomial(degree: int = 3, samples: int = 20000, iterations: int = 300) -> np.ndarray:
+    """Coefficients c0..c_degree (c0 = 1) of the minimax-relative-error fit of 2^f on [0, 1).
+
+    Lawson's iteratively reweighted least squares converges to the minimax solution; c0 is
+    fixed to 1 so powers of two stay exact. Returns float32 coefficients, as the kernel uses.
+    """
+    f = np.linspace(0.0, 1.0, samples + 1)[1:]
+    target = np.exp2(f)
+    basis = np.stack([f**k for k in range(1, degree + 1)], axis=1) / target[:, None]
+    rhs = (target - 1.0) / target
+    weights = np.full_like(f, 1.0 / len(f))
+    for _ in range(iterations):
+        root = np.sqrt(weights)
+        coeffs, *_ = np.linalg.lstsq(basis * root[:, None], rhs * root, rcond=None)
+        weights *= np.abs(basis @ coeffs - rhs)
+        weights /= weights.sum()
+    return np.concatenate([[1.0], coeffs]).astype(np.float32)
+
+
+def exp2_polynomial(x: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
+    """The kernel's software 2^x in fp32: x = n + f, Horner on f, n added to the exponent bits."""
+    x = np.maximum(np.asarray(x, dtype=np.float32), np.float32(LOWEST_EXPONENT))
+    n = np.floor(x)
+    frac = (x - n).astype(np.float32)
+    p = np.full_like(frac, coeffs[-1])
+    for c in coeffs[-2::-1]:
+        p = (p * frac + c).astype(np.float32)
+    bits = p.view(np.int32) + (n.astype(np.int32) << 23)
+    return bits.view(np.float32)
+
+
+def polynomial_relative_error(coeffs: np.ndarray, points: int = 1_000_000) -> float:
+    f = np.linspace(0.0, 1.0, points + 1, dtype=np.float32)[:-1]
+    approx = exp2_polynomial(f, coeffs).astype(np.float64)
+    return float(np.max(np.abs(approx / np.exp2(f.astype(np.float64)) - 1.0)))
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 -> bf16/fp16 -> fp32, round to nearest even (as __floats2bfloat162_rn / _rn)."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def softmax_exp2(x: np.ndarray, period: int, coeffs: np.ndarray) -> np.ndarray:
+    """Columns (2i, 2i+1) take the polynomial when i % period == period - 1 (period 0: never)."""
+    out = np.exp2(x.astype(np.float32)).astype(np.float32)
+    if period:
+        pair = np.arange(x.shape[-1]) // 2
+        emulated = pair % period == period - 1
+        out[..., emulated] = exp2_polynomial(x[..., emulated], coeffs)
+    return out
+
+
+@dataclass
+class ModelStats:
+    """What the run did: how often O was rescaled, and the largest probability stored in P."""
+
+    rescaled_rows: int = 0
+    skipped_rows: int = 0
+    max_probability: float = 0.0
+    visited_blocks: list[int] = field(default_factory=list)
+
+
+def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float | None = None,
+                exp2_period: int = 0, rescale_threshold: float | None = None,
+                coeffs: np.ndarray | None = None, stats: ModelStats | None = None):
+    """O (seqlen_q, head_dim) and natural-log LSE (seqlen_q,) of one head, as the kernel computes.
+
+    q, k, v hold values already representable in `dtype` (fp32 arrays).
+    """
+    coeffs = fit_exp2_polynomial() if coeffs is None else coeffs
+    stats = ModelStats() if stats is None else stats
+    seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[0]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    scale_log2 = np.float32(scale * np.log2(np.e))
+    offset = seqlen_k - seqlen_q
+    out = np.zeros((seqlen_q, head_dim), dtype=np.float32)
+    lse = np.full(seqlen_q, -np.inf, dtype=np.float32)
+
+    for row_begin in range(0, seqlen_q, BLOCK_M):
+        rows = np.arange(row_begin, min(row_begin + BLOCK_M, seqlen_q))
+        keys = min(seqlen_k, row_begin + BLOCK_M + offset) if causal else seqlen_k
+        n_blocks = -(-keys // block_n)
+        stats.visited_blocks.append(max(n_blocks, 0))
+        if n_blocks <= 0:
+            continue  # write_empty_rows: O = 0, LSE = -inf
+        key_end = np.minimum(seqlen_k, rows + offset + 1) if causal else np.full(len(rows), seqlen_k)
+        reference = np.full(len(rows), -np.inf, dtype=np.float32)
+        row_sum = np.zeros(len(rows), dtype=np.float32)
+        acc = np.zeros((len(rows), head_dim), dtype=np.float32)
+        for j in range(n_blocks):
+            n_block = n_blocks - 1 - j
+            cols = n_block * block_n + np.arange(block_n)
+            k_blk = np.zeros((block_n, head_dim), dtype=np.float32)  # TMA zero-fills past seqlen_k
+            v_blk = np.zeros((block_n, head_dim), dtype=np.float32)
+            valid = cols < seqlen_k
+            k_blk[valid], v_blk[valid] = k[cols[valid]], v[cols[valid]]
+            scores = (q[rows] @ k_blk.T).astype(np.float32)
+            scores[cols[None, :] >= key_end[:, None]] = -np.inf
+            block_max = np.maximum(reference, scores.max(axis=1))
+            reference, rescale = next_reference_max(reference, block_max, scale_log2,
+                                                    rescale_threshold, stats)
+            subtrahend = np.where(reference == -np.inf, np.float32(0), reference * scale_log2)
+            exponent = (scores * scale_log2 - subtrahend[:, None]).astype(np.float32)
+            probs = softmax_exp2(exponent, exp2_period, coeffs)
+            stats.max_probability = max(stats.max_probability, float(probs.max()))
+            row_sum = (row_sum * rescale + probs.sum(axis=1, dtype=np.float32)).astype(np.float32)
+            acc = (acc * rescale[:, None]).astype(np.float32)  # the correction warps
+            acc = (acc + round_to(probs, dtype) @ v_blk).astype(np.float32)
+        inv = np.where(row_sum == 0, np.float32(0), 1.0 / np.where(row_sum == 0, 1, row_sum))
+        out[rows] = round_to(acc * inv[:, None].astype(np.float32), dtype)
+        with np.errstate(divide="ignore"):
+            lse_rows = (np.where(reference == -np.inf, 0, reference * scale_log2)
+                        + np.log2(row_sum)) * np.log(2)
+        lse[rows] = np.where(row_sum == 0, -np.inf, lse_rows)
+    return out, lse
+
+
+def next_reference_max(reference, block_max, scale_log2, threshold, stats):
+    """algo::next_reference_max, row-wise: (new reference, rescale factor for O and l)."""
+    if threshold is None:
+        move = np.ones(len(reference), dtype=bool)
+    else:
+        with np.errstate(invalid="ignore"):
+            move = (block_max - reference) * scale_log2 > threshold  # NaN (both -inf) -> False
+    new_scaled = np.where(block_max == -np.inf, np.float32(0), block_max * scale_log2)
+    with np.errstate(invalid="ignore"):
+        factor = np.exp2((reference * scale_log2 - new_scaled).astype(np.float32))
+    stats.rescaled_rows += int(np.sum(move & (reference != -np.inf)))
+    stats.skipped_rows += int(np.sum(~move))
+    return (np.where(move, block_max, reference).astype(np.float32),
+            np.where(move, factor, np.float32(1)).astype(np.float32))
+
+
+def reference_attention(q, k, v, *, causal: bool, scale: float | None = None):
+    """fp64 attention with bottom-right causal alignment; rows that see no key give 0, -inf."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[0]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    scores = scale * (q @ k.T)
+    if causal:
+        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+        scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(axis=1, keepdims=True)
+    empty = ~np.isfinite(row_max[:, 0])
+    weights = np.exp(scores - np.where(empty[:, None], 0, row_max))
+    total = weights.sum(axis=1, keepdims=True)
+    out = np.where(empty[:, None], 0.0, weights @ v / np.where(empty[:, None], 1, total))
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, row_max[:, 0] + np.log(np.where(empty, 1, total[:, 0])))
+    return out, lse
+
+
+def low_precision_attention(q, k, v, *, causal: bool, dtype: str, scale: float | None = None):
+    """Plain attention with every intermediate rounded to `dtype` (the 2x error baseline)."""
+    seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[0]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    scores = round_to(round_to(q @ k.T, dtype) * np.float32(scale), dtype)
+    if causal:
+        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+        scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(axis=1, keepdims=True)
+    empty = ~np.isfinite(row_max[:, 0])
+    weights = np.exp(scores - np.where(empty[:, None], 0, row_max)).astype(np.float32)
+    probs = round_to(weights / np.where(empty[:, None], 1, weights.sum(axis=1, keepdims=True)), dtype)
+    return np.where(empty[:, None], 0.0, round_to(probs @ v, dtype))

@@ -1,0 +1,343 @@
+"""The runtime without a GPU: manifest checks, cubin selection, integrity, import hygiene."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fagen import abi
+from fagen.bundle.format import SCHEMA_VERSION, sha256_bytes
+from fagen.runtime import Bundle, BundleError, KernelNotFound, load, runs_on
+from fagen.runtime.driver import kernel_param_array
+
+ARCHS = {
+    "sm80": ((8, 0), False),
+    "sm86": ((8, 6), False),
+    "sm90": ((9, 0), False),
+    "sm90a": ((9, 0), True),
+    "sm100a": ((10, 0), True),
+}
+
+
+def kernel_entry(arch: str, key: str, fa_version: int = 2, cubin_bytes: bytes | None = None) -> dict:
+    direction, dtype, head_dim, mask = key.split("/")
+    name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}_test"
+    data = cubin_bytes if cubin_bytes is not None else f"cubin of {name}".encode()
+    cc, arch_specific = ARCHS[arch]
+    return {
+        "name": name,
+        "key": key,
+        "arch": arch,
+        "compute_capability": list(cc),
+        "arch_specific": arch_specific,
+        "fa_version": fa_version,
+        "spec": {"fa_version": fa_version, "arch": arch},
+        "cubin": f"cubin/{arch}/{name}.cubin",
+        "source": f"src/{arch}/{name}.cu",
+        "sha256": sha256_bytes(data),
+        "size": len(data),
+        "launch": {"threads": 128, "block_m": 128, "dynamic_smem": 65536},
+        "resources": {"registers": 200, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0},
+        "sass": ["HMMA"],
+    }
+
+
+def write_bundle(root: Path, entries: list[dict], **overrides) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for e in entries:
+        path = root / e["cubin"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"cubin of {e['name']}".encode())
+    manifest = {
+        "bundle": "test",
+        "fingerprint": "0" * 16,
+        "toolchain": {"nvrtc": "13.5"},
+        "kernels": entries,
+        "schema_version": SCHEMA_VERSION,
+        "abi_version": abi.ABI_VERSION,
+        "fagen_version": "0.0.0",
+        "skipped": [],
+        **overrides,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return root
+
+
+KEY = "fwd/bf16/hd128/causal"
+
+
+@pytest.fixture
+def hopper_bundle(tmp_path) -> Bundle:
+    return load(write_bundle(tmp_path / "b", [
+        kernel_entry("sm80", KEY), kernel_entry("sm90", KEY), kernel_entry("sm90a", KEY, fa_version=3),
+        kernel_entry("sm86", KEY), kernel_entry("sm80", "fwd/fp16/hd64/full"),
+    ]))
+
+
+def test_prefers_newer_algorithm_on_its_exact_arch(hopper_bundle):
+    chosen = hopper_bundle.select(KEY, (9, 0))
+    assert (chosen.arch, chosen.fa_version) == ("sm90a", 3)
+
+
+def test_plain_cubin_runs_on_later_minor_only(hopper_bundle):
+    assert hopper_bundle.select(KEY, (8, 0)).arch == "sm80"
+    assert hopper_bundle.select(KEY, (8, 6)).arch == "sm86"
+    assert hopper_bundle.select(KEY, (8, 9)).arch == "sm86"  # closest capability wins
+
+
+def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):
+    bundle = load(write_bundle(tmp_path / "b", [kernel_entry("sm80", KEY), kernel_entry("sm90", KEY)]))
+    assert bundle.select(KEY, (9, 0)).arch == "sm90"
+
+
+def test_runs_on_rules(hopper_bundle):
+    by_arch = {e.arch: e for e in hopper_bundle.kernels if e.key == KEY}
+    assert runs_on(by_arch["sm80"], (8, 6))
+    assert not runs_on(by_arch["sm80"], (9, 0))  # SASS is compatible within a major only
+    assert not runs_on(by_arch["sm86"], (8, 0))
+    assert runs_on(by_arch["sm90a"], (9, 0))
+    assert not runs_on(by_arch["sm90a"], (10, 0))
+    assert not runs_on(by_arch["sm90"], (10, 0))
+
+
+def test_sm80_only_bundle_does_not_serve_hopper(tmp_path):
+    bundle = load(write_bundle(tmp_path / "b", [
+        kernel_entry("sm80", KEY), kernel_entry("sm80", "fwd/bf16/hd64/causal"), kernel_entry("sm80", "fwd/fp16/hd64/full"),
+    ]))
+    with pytest.raises(KernelNotFound) as info:
+        bundle.select(KEY, (9, 0))
+    message = str(info.value)
+    assert KEY in message and "9.0" in message
+    assert "sm80 (fa2): fwd/bf16/hd{64,128}/causal, fwd/fp16/hd64/full" in message
+    assert "built only for sm80" in message
+    assert "{fa_version: 2, arch: sm90, direction: fwd, dtype: bf16, head_dim: 128, causal: true}" in message
+    assert f"fagen build SPEC -o {bundle.path}" in message
+
+
+def test_missing_head_dim_message(hopper_bundle):
+    with pytest.raises(KernelNotFound) as info:
+        hopper_bundle.select("fwd/bf16/hd96/full", (9, 0))
+    message = str(info.value)
+    assert "'fwd/bf16/hd96/full'" in message and "9.0" in message
+    assert "sm90a (fa3): fwd/bf16/hd128/causal" in message
+    assert "head_dim: 96, causal: false}" in message
+    assert "built only for" not in message
+
+
+def test_empty_bundle_message(tmp_path):
+    bundle = load(write_bundle(tmp_path / "b", []))
+    with pytest.raises(KernelNotFound, match="holds no kernels"):
+        bundle.select(KEY, (9, 0))
+
+
+def test_tampered_cubin_is_refused_before_loading(hopper_bundle):
+    entry = hopper_bundle.select(KEY, (9, 0))
+    (hopper_bundle.path / entry.cubin).write_bytes(b"cubin of something else")
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        hopper_bundle.kernel(entry)
+
+
+def test_missing_cubin_is_refused(hopper_bundle):
+    entry = hopper_bundle.select(KEY, (9, 0))
+    (hopper_bundle.path / entry.cubin).unlink()
+    with pytest.raises(BundleError, match="missing"):
+        hopper_bundle.kernel(entry)
+
+
+def test_other_abi_is_refused(tmp_path):
+    path = write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY)], abi_version=abi.ABI_VERSION + 1)
+    with pytest.raises(BundleError) as info:
+        load(path)
+    message = str(info.value)
+    assert f"ABI version {abi.ABI_VERSION + 1}" in message and f"ABI version {abi.ABI_VERSION}" in message
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY)], schema_version=SCHEMA_VERSION + 1)
+    with pytest.raises(BundleError, match=f"schema_version {SCHEMA_VERSION + 1} is newer"):
+        load(path)
+
+
+def test_missing_bundle(tmp_path):
+    with pytest.raises(BundleError, match="no manifest.json"):
+        load(tmp_path / "nowhere")
+
+
+def test_default_bundle_dir_comes_from_fagen_home(tmp_path, monkeypatch):
+    write_bundle(tmp_path / "default", [kernel_entry("sm90", KEY)])
+    monkeypatch.setenv("FAGEN_HOME", str(tmp_path))
+    assert load().path == (tmp_path / "default").resolve()
+
+
+def test_kernel_param_array_points_at_the_struct():
+    params = abi.FwdParams(batch=3, heads_q=5, scale_log2=0.25)
+    pointers, address = kernel_param_array(params)
+    assert address == ctypes.addressof(pointers)
+    first = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))[0]
+    assert first == ctypes.addressof(params)
+    seen = abi.FwdParams.from_address(first)
+    assert (seen.batch, seen.heads_q, seen.scale_log2) == (3, 5, 0.25)
+
+
+def test_runtime_imports_no_build_stack():
+    code = textwrap.dedent(
+        """
+        import sys
+        import fagen.runtime
+        try:
+            import fagen.torch
+        except ImportError as exc:
+            if "torch" not in str(exc):
+                raise
+        forbidden = ("pydantic", "jinja2", "fagen.spec", "fagen.codegen", "fagen.compiler",
+                     "fagen.bundle.writer", "cuda.bindings.nvrtc", "nvidia.cuda_nvrtc", "yaml")
+        loaded = sorted(m for m in sys.modules if m.startswith(forbidden))
+        print(",".join(loaded))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "", f"runtime path imported: {result.stdout.strip()}"
+
+
+class FakeDriver:
+    """Stands in for cuda.bindings.driver's calls (its types and enums are the real ones, which
+    need no GPU): records what fagen asks the driver to do."""
+
+    def __init__(self, real, current_context=0, context_device=0):
+        self._real = real
+        self.current_context = current_context
+        self.context_device = context_device
+        self.calls = []
+        self.launches = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _ok(self, name, *values):
+        self.calls.append(name)
+        return (self._real.CUresult.CUDA_SUCCESS, *values)
+
+    def cuInit(self, flags):
+        return self._ok("cuInit")
+
+    def cuDeviceGet(self, ordinal):
+        return self._ok("cuDeviceGet", self._real.CUdevice(ordinal))
+
+    def cuCtxGetCurrent(self):
+        return self._ok("cuCtxGetCurrent", self._real.CUcontext(self.current_context))
+
+    def cuCtxGetDevice(self):
+        return self._ok("cuCtxGetDevice", self._real.CUdevice(self.context_device))
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self._ok("cuDevicePrimaryCtxRetain", self._real.CUcontext(0x1000 + int(dev)))
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current_context, self.context_device = int(ctx), int(ctx) - 0x1000
+        return self._ok("cuCtxSetCurrent")
+
+    def cuLibraryLoadData(self, code, *options):
+        assert isinstance(code, bytes) and options == (None, None, 0, None, None, 0)
+        return self._ok("cuLibraryLoadData", self._real.CUlibrary(0x2000))
+
+    def cuLibraryGetKernel(self, library, name):
+        assert int(library) == 0x2000 and isinstance(name, bytes)
+        return self._ok("cuLibraryGetKernel", self._real.CUkernel(0x3000))
+
+    def cuKernelSetAttribute(self, attrib, value, kernel, dev):
+        assert attrib == self._real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.calls.append(("smem", value, int(kernel), int(dev)))
+        return (self._real.CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernelEx(self, config, kernel, kernel_params, extra):
+        first = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0]
+        params = abi.FwdParams.from_buffer_copy(ctypes.string_at(first, ctypes.sizeof(abi.FwdParams)))
+        self.launches.append({
+            "grid": (config.gridDimX, config.gridDimY, config.gridDimZ),
+            "block": (config.blockDimX, config.blockDimY, config.blockDimZ),
+            "smem": config.sharedMemBytes, "stream": int(config.hStream), "kernel": int(kernel),
+            "params": params, "extra": extra,
+        })
+        return self._ok("cuLaunchKernelEx")
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    from fagen.runtime import driver
+
+    fake = FakeDriver(driver.cu, current_context=0x5000, context_device=0)  # as torch leaves it
+    monkeypatch.setattr(driver, "cu", fake)
+    monkeypatch.setattr(driver, "_initialized", False)
+    monkeypatch.setattr(driver, "_primary_contexts", {})
+    monkeypatch.setattr(driver, "_context_devices", {})
+    return fake
+
+
+def test_launch_goes_through_the_driver_once_prepared(hopper_bundle, fake_driver):
+    entry = hopper_bundle.select(KEY, (9, 0))
+    kernel = hopper_bundle.kernel(entry)
+    assert hopper_bundle.kernel(entry) is kernel
+    params = abi.FwdParams(batch=2, heads_q=8, heads_kv=1, seqlen_q=300, seqlen_k=128, scale_log2=0.5)
+    for _ in range(2):
+        kernel.launch(params, (3, 8, 2), stream=0xABC, device=0)
+    assert fake_driver.calls.count("cuLibraryLoadData") == 1
+    assert fake_driver.calls.count("cuLibraryGetKernel") == 1
+    assert fake_driver.calls.count(("smem", 65536, 0x3000, 0)) == 1
+    assert "cuCtxSetCurrent" not in fake_driver.calls  # the current context is on device 0
+    assert len(fake_driver.launches) == 2
+    launch = fake_driver.launches[0]
+    assert launch["grid"] == (3, 8, 2) and launch["block"] == (128, 1, 1)
+    assert (launch["smem"], launch["stream"], launch["kernel"], launch["extra"]) == (65536, 0xABC, 0x3000, 0)
+    seen = launch["params"]
+    assert (seen.batch, seen.heads_q, seen.heads_kv, seen.seqlen_q, seen.seqlen_k) == (2, 8, 1, 300, 128)
+    assert seen.scale_log2 == 0.5
+
+
+def test_launch_without_a_current_context_uses_the_primary_one(hopper_bundle, fake_driver):
+    fake_driver.current_context = 0
+    kernel = hopper_bundle.kernel(hopper_bundle.select(KEY, (9, 0)))
+    kernel.launch(abi.FwdParams(), (1, 1, 1), stream=0, device=1)
+    assert "cuDevicePrimaryCtxRetain" in fake_driver.calls
+    assert fake_driver.current_context == 0x1001
+    assert ("smem", 65536, 0x3000, 1) in fake_driver.calls
+
+
+def test_driver_errors_name_the_call():
+    from fagen.runtime.driver import DriverError, check, cu
+
+    with pytest.raises(DriverError, match=r"cuFoo failed: .*"):
+        check("cuFoo", (cu.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    assert check("cuBar", (cu.CUresult.CUDA_SUCCESS, 7)) == 7
+
+
+def test_launch_passes_extra_parameters_in_order(hopper_bundle, fake_driver):
+    kernel = hopper_bundle.kernel(hopper_bundle.select(KEY, (9, 0)))
+    maps = (ctypes.c_ubyte * 384).from_buffer_copy(bytes(range(128)) * 3)
+    seen = []
+    real_launch = fake_driver.cuLaunchKernelEx
+
+    def launch(config, f, kernel_params, extra):
+        pointers = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append(ctypes.string_at(pointers[1], 384))
+        return real_launch(config, f, kernel_params, extra)
+
+    fake_driver.cuLaunchKernelEx = launch
+    kernel.launch(abi.FwdParams(batch=4), (1, 1, 4), stream=0, device=0, extra_params=(maps,))
+    assert seen == [bytes(maps)]
+    assert fake_driver.launches[0]["params"].batch == 4
+
+
+def test_tensor_map_arguments_convert(monkeypatch):
+    """The real cuda.bindings call accepts our argument types: without a driver it fails only
+    when it reaches libcuda, not with a TypeError."""
+    from fagen.runtime import driver
+
+    monkeypatch.setattr(driver, "init", lambda: None)
+    with pytest.raises(RuntimeError, match="driver library|cuda"):
+        driver.encode_tiled_tensor_map("bf16", 0x10000, (128, 300, 4, 2), (1024, 256, 307200), (64, 128, 1, 1))

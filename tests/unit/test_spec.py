@@ -1,0 +1,178 @@
+"""Spec validation, naming and YAML expansion: pure Python, no compiler."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fagen.spec import KernelSpec, SpecError, expand, load_spec_file
+from fagen.spec.arch import MAX_REGISTERS_PER_THREAD
+from fagen.spec.tuning import TABLE
+
+
+def spec(**overrides) -> KernelSpec:
+    fields = {"fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 128, **overrides}
+    return KernelSpec.model_validate(fields)
+
+
+def error_text(**overrides) -> str:
+    with pytest.raises(pydantic.ValidationError) as info:
+        spec(**overrides)
+    return str(info.value)
+
+
+EXPLICIT_TILE = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}
+
+
+def test_head_dim_not_a_multiple_of_8_names_field_and_limit():
+    text = error_text(head_dim=100, tile=EXPLICIT_TILE)
+    assert "head_dim=100" in text and "multiple of 8" in text
+
+
+def test_head_dim_multiple_of_8_but_not_16_is_rejected_by_the_fa2_geometry():
+    assert "multiple of 16" in error_text(head_dim=72, tile=EXPLICIT_TILE)
+
+
+def test_fa3_on_sm80_is_rejected():
+    text = error_text(fa_version=3, arch="sm80")
+    assert "fa_version=3" in text
+
+
+def test_fa2_on_sm90a_names_the_archs_it_runs_on():
+    text = error_text(arch="sm90a")
+    assert "arch=sm90a" in text and "sm90" in text
+
+
+def test_tile_too_big_for_shared_memory_names_bytes_and_limit():
+    tile = {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2}
+    text = error_text(arch="sm86", tile=tile)
+    assert "shared memory" in text and str(99 * 1024) in text
+
+
+def test_tile_needing_too_many_registers_names_the_limit():
+    # 32 rows per warp at head_dim 256: O alone is 256 fp32 registers per thread.
+    tile = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2}
+    text = error_text(head_dim=256, tile=tile)
+    assert "registers" in text and str(MAX_REGISTERS_PER_THREAD) in text
+
+
+def test_extra_field_is_forbidden():
+    assert "softcap" in error_text(softcap=30.0)
+
+
+def test_extra_tile_field_is_forbidden():
+    tile = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "pingpong": True}
+    assert "pingpong" in error_text(tile=tile)
+
+
+def test_spec_is_frozen():
+    s = spec()
+    with pytest.raises(pydantic.ValidationError):
+        s.head_dim = 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    head_dim=st.one_of(st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.text(max_size=5),
+                       st.none()),
+    block_m=st.integers(-(2**20), 2**20),
+    block_n=st.integers(-(2**20), 2**20),
+    warps=st.integers(-64, 64),
+    stages=st.integers(-8, 8),
+    arch=st.sampled_from(["sm80", "sm86", "sm89", "sm90", "sm90a", "sm100a", "sm120", "sm75", ""]),
+)
+def test_random_input_fails_only_with_validation_error(head_dim, block_m, block_n, warps, stages, arch):
+    tile = {"block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
+    try:
+        KernelSpec.model_validate(
+            {"fa_version": 2, "arch": arch, "dtype": "fp16", "head_dim": head_dim, "tile": tile}
+        )
+    except pydantic.ValidationError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(head_dim=st.one_of(st.integers(-(2**40), 2**40), st.floats(allow_nan=True)),
+       arch=st.sampled_from(["sm80", "sm86", "sm90", "sm120"]))
+def test_random_head_dim_with_auto_tile_fails_only_with_validation_error(head_dim, arch):
+    try:
+        KernelSpec.model_validate(
+            {"fa_version": 2, "arch": arch, "dtype": "bf16", "head_dim": head_dim, "tile": "auto"}
+        )
+    except pydantic.ValidationError:
+        pass
+
+
+def test_name_is_pinned():
+    """A change here renames shipped kernels: bump it only on purpose."""
+    s = spec(causal=True, tile={"block_m": 128, "block_n": 64, "warps": 4, "stages": 2})
+    assert s.name == "fa2_fwd_sm90_bf16_hd128_causal_m128n64w4s2_8f25a6ba"
+    assert s.lookup_key == "fwd/bf16/hd128/causal"
+
+
+def test_name_ignores_field_order_and_auto_equals_explicit_tile():
+    auto = spec()
+    explicit = KernelSpec.model_validate(
+        {"tile": auto.tile.model_dump(), "head_dim": 128, "dtype": "bf16", "arch": "sm90",
+         "fa_version": 2}
+    )
+    assert auto.name == explicit.name
+
+
+def test_auto_tile_follows_the_tuning_table():
+    row = next(r for r in TABLE if r.fa_version == 2 and r.max_head_dim == 128)
+    tile = spec(head_dim=128, arch="sm90").tile
+    assert (tile.block_m, tile.block_n, tile.warps, tile.stages) == (
+        row.block_m, row.block_n, row.warps, row.stages)
+
+
+def test_auto_tile_falls_back_on_small_shared_memory_parts():
+    big, small = spec(head_dim=256, arch="sm90"), spec(head_dim=256, arch="sm86")
+    assert big.geometry.smem_bytes > 99 * 1024 >= small.geometry.smem_bytes
+    for head_dim in (64, 96, 128, 192, 256):
+        assert spec(head_dim=head_dim, arch="sm86").geometry.smem_bytes <= 99 * 1024
+
+
+def test_product_expands_and_reports_skips():
+    expansion = expand({
+        "bundle": "t",
+        "kernels": [{"fa_version": 2, "arch": ["sm80", "sm90a"], "dtype": ["fp16", "bf16"],
+                     "head_dim": 64, "causal": [False, True]}],
+    })
+    assert len(expansion.specs) == 4
+    assert {s.arch.value for s in expansion.specs} == {"sm80"}
+    assert len(expansion.skipped) == 4
+    index, fields, why = expansion.skipped[0]
+    assert index == 0 and fields["arch"] == "sm90a" and "arch=sm90a" in why
+
+
+def test_duplicates_are_dropped_and_specs_sorted_by_name():
+    entry = {"fa_version": 2, "arch": "sm80", "dtype": "fp16", "head_dim": 64}
+    expansion = expand({"bundle": "t", "kernels": [entry, dict(entry)]})
+    assert len(expansion.specs) == 1
+
+
+def test_invalid_single_variant_is_an_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({
+        "bundle": "t",
+        "kernels": [{"fa_version": 2, "arch": "sm80", "dtype": "fp16", "head_dim": 64},
+                    {"fa_version": 2, "arch": "sm90a", "dtype": "fp16", "head_dim": 64}],
+    }))
+    with pytest.raises(SpecError, match=r"bad\.yaml.*kernels\[1\].*arch=sm90a"):
+        load_spec_file(path)
+
+
+def test_unknown_top_level_key_and_bad_bundle_name_are_errors():
+    with pytest.raises(SpecError, match="extra"):
+        expand({"bundle": "t", "kernels": [], "extra": 1})
+    with pytest.raises(SpecError, match="bundle"):
+        expand({"bundle": "../escape", "kernels": []})
+
+
+def test_missing_spec_file_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError, match="no such spec file"):
+        load_spec_file(tmp_path / "absent.yaml")

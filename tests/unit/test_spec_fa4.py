@@ -1,0 +1,112 @@
+"""FA4 spec validation (sm100a): TMEM and shared-memory limits at spec time, new tile options."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from fagen.codegen import render
+from fagen.spec import KernelSpec
+from fagen.spec.fa4 import TMEM_COLUMNS, Fa4Geometry, tmem_allocation
+
+TILE = {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2}
+
+
+def spec(**overrides) -> KernelSpec:
+    fields = {"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128, **overrides}
+    return KernelSpec.model_validate(fields)
+
+
+def error_text(**overrides) -> str:
+    with pytest.raises(pydantic.ValidationError) as info:
+        spec(**overrides)
+    return str(info.value)
+
+
+def test_auto_tile_uses_the_fa4_options():
+    tile = spec().tile
+    assert (tile.block_m, tile.warps) == (128, 12)
+    assert tile.rescale_threshold == 8.0 and tile.exp2_emulation_period == 4
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm90a", "sm120"])
+def test_fa4_needs_sm100a(arch):
+    text = error_text(arch=arch, tile=TILE)
+    assert f"arch={arch}" in text and "sm100a" in text
+
+
+def test_tmem_overflow_is_rejected_naming_columns():
+    # 2 x 256 (S) + 64 (O) = 576 columns > 512, even though block_n 256 is a legal MMA N.
+    geometry = Fa4Geometry(64, 128, 256, 12, 2)
+    assert geometry.tmem_columns_used == 576
+    problems = geometry.problems(227 * 1024)
+    assert problems and "block_n" in problems[0]
+    text = error_text(head_dim=256, tile={**TILE, "stages": 2})
+    assert "512" in text or "shared memory" in text
+
+
+def test_tmem_limit_names_columns_when_it_is_the_only_problem(monkeypatch):
+    monkeypatch.setattr("fagen.spec.fa4.MAX_BLOCK_N", 256)
+    problems = Fa4Geometry(128, 128, 256, 12, 2).problems(10**9)
+    assert len(problems) == 1 and "640 TMEM columns" in problems[0] and str(TMEM_COLUMNS) in problems[0]
+
+
+def test_shared_memory_overflow_is_rejected_naming_bytes():
+    text = error_text(tile={**TILE, "stages": 4})
+    assert "shared memory" in text and str(227 * 1024) in text
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("block_m", 64, "tile.block_m=64"),
+    ("warps", 10, "tile.warps=10"),
+    ("block_n", 48, "tile.block_n=48"),
+    ("stages", 1, "tile.stages=1"),
+])
+def test_bad_tile_fields_are_named(field, value, needle):
+    assert needle in error_text(tile={**TILE, field: value})
+
+
+def test_head_dim_must_be_whole_tma_boxes():
+    assert "multiple of 64" in error_text(head_dim=96, tile=TILE)
+
+
+def test_tmem_allocation_is_a_power_of_two():
+    assert [tmem_allocation(c) for c in (1, 32, 33, 320, 384, 512)] == [32, 32, 64, 512, 512, 512]
+
+
+def test_exp2_emulation_must_be_one_over_a_whole_number():
+    assert "exp2_emulation=0.3" in error_text(tile={**TILE, "exp2_emulation": 0.3})
+    assert spec(tile={**TILE, "exp2_emulation": 0.5}).tile.exp2_emulation_period == 2
+
+
+def test_rescale_threshold_must_not_be_negative():
+    assert "rescale_threshold" in error_text(tile={**TILE, "rescale_threshold": -1.0})
+
+
+def test_options_name_the_kernel_and_reach_the_source():
+    s = spec(tile={**TILE, "exp2_emulation": 0.25, "rescale_threshold": 8.0})
+    assert "_e2p4_rt8_" in s.name
+    source = render(s).source
+    assert "kExp2EmulationPeriod = 4;" in source and "kRescaleThreshold = 8.0f;" in source
+    assert "kConditionalRescale = true;" in source and "kTmemColumns = 512;" in source
+
+
+def test_fa2_and_fa3_take_the_options_and_fa2_refuses_fa3_flags():
+    fa2 = KernelSpec.model_validate({
+        "fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 64,
+        "tile": {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2,
+                 "exp2_emulation": 0.5, "rescale_threshold": 8.0}})
+    source = render(fa2).source
+    assert "kExp2EmulationPeriod = 2;" in source and "kConditionalRescale = true;" in source
+    plain = KernelSpec.model_validate({"fa_version": 2, "arch": "sm90", "dtype": "bf16",
+                                       "head_dim": 64})
+    assert "kConditionalRescale = false;" in render(plain).source
+    fa3 = KernelSpec.model_validate({
+        "fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 128,
+        "tile": {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2,
+                 "warp_specialized": True, "rescale_threshold": 8.0}})
+    assert "kConditionalRescale = true;" in render(fa3).source
+    with pytest.raises(pydantic.ValidationError, match="tile.pingpong"):
+        KernelSpec.model_validate({
+            "fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 64,
+            "tile": {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "pingpong": True}})

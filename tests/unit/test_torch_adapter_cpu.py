@@ -1,0 +1,162 @@
+"""The torch adapter without a GPU: validation, stride handling, fake impl, torch.compile trace."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen.torch import adapter, bundle_path, flash_attn_func, get_bundle, kernel_key  # noqa: E402
+
+from test_runtime_cpu import KEY, kernel_entry, write_bundle  # noqa: E402  (tests/unit is on sys.path)
+
+
+def _qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_kv=2, head_dim=64, dtype=torch.bfloat16):
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+def test_kernel_key():
+    assert kernel_key(torch.bfloat16, 128, True) == "fwd/bf16/hd128/causal"
+    assert kernel_key(torch.float16, 64, False) == "fwd/fp16/hd64/full"
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "float32"),
+        (lambda q, k, v: (q, k.half(), v), TypeError, "share one dtype"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "must be 4-D"),
+        (lambda q, k, v: (q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
+         ValueError, "multiple of nheads_kv=3"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "agree on batch"),
+        (lambda q, k, v: (q, k, v[:, :3]), ValueError, "k and v shapes differ"),
+        (lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, "head_dim=60"),
+        (lambda q, k, v: (q, k, v), ValueError, "CUDA tensors"),
+    ],
+)
+def test_bad_input_is_rejected_before_launch(change, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*change(*_qkv()))
+
+
+def test_strides_used_as_is_for_a_transposed_view():
+    t = torch.randn(2, 4, 9, 64, dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) view
+    assert adapter._kernel_strides(t) == (4 * 9 * 64, 64, 9 * 64)
+    assert adapter._kernel_ready(t) is t
+
+
+def test_broadcast_kv_is_used_as_is():
+    t = torch.randn(1, 9, 1, 64, dtype=torch.bfloat16).expand(3, -1, 2, -1)
+    assert adapter._kernel_strides(t) == (0, 64, 0)
+
+
+def test_size_one_dims_never_force_a_copy():
+    t = torch.randn(1, 1, 3, 64, dtype=torch.bfloat16)
+    odd = t.as_strided(t.shape, (7, 5, 64, 1))
+    assert adapter._kernel_strides(odd) == (3 * 64, 3 * 64, 64)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 9, 3, 128, dtype=torch.bfloat16)[..., ::2],  # last dim strided
+        lambda: torch.randn(2 * 9 * 3 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 9, 3, 64),  # 2-byte offset
+        lambda: torch.randn(2, 9, 3, 72, dtype=torch.bfloat16)[..., :64],  # row stride 216: fine
+        lambda: torch.randn(2, 9, 3, 68, dtype=torch.float16)[..., :64],  # row stride 204: copy
+    ],
+)
+def test_unusable_layouts_are_copied(make):
+    t = make()
+    ready = adapter._kernel_ready(t)
+    assert torch.equal(ready, t)
+    assert ready.stride(3) == 1 and ready.data_ptr() % 16 == 0
+    assert all(s % 8 == 0 for s in adapter._kernel_strides(ready))
+    if adapter._kernel_strides(t) is None:
+        assert ready.is_contiguous() and ready.data_ptr() != t.data_ptr()
+    else:
+        assert ready is t
+
+
+def test_fwd_params_fields():
+    q = torch.randn(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2)  # (2, 33, 4, 64) view
+    k = torch.randn(2, 50, 1, 64, dtype=torch.float16)
+    v = torch.randn(2, 50, 1, 64, dtype=torch.float16)
+    out = torch.empty(2, 33, 4, 64, dtype=torch.float16)
+    lse = torch.empty(2, 4, 33)
+    p = adapter.fwd_params(q, k, v, out, lse, 0.125)
+    assert (p.q, p.k, p.v, p.o, p.lse) == tuple(t.data_ptr() for t in (q, k, v, out, lse))
+    assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (4 * 33 * 64, 64, 33 * 64)
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (50 * 64, 64, 64)
+    assert (p.o_batch_stride, p.o_row_stride, p.o_head_stride) == (33 * 4 * 64, 4 * 64, 64)
+    assert (p.lse_batch_stride, p.lse_head_stride) == (4 * 33, 33)
+    assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k) == (2, 4, 1, 33, 50)
+    assert abs(p.scale_log2 - 0.125 * 1.4426950408889634) < 1e-7
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = _qkv(seqlen_q=5, seqlen_k=11, heads_q=8, heads_kv=1, head_dim=96)
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 5, 8, 96) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 8, 5) and lse.dtype == torch.float32
+
+
+def test_torch_compile_traces_one_graph_with_the_op():
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=capture)
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, softmax_scale=0.5) * 2
+
+    with pytest.raises(ValueError, match="CUDA tensors"):  # traced fine; the CPU run is refused
+        attention(*_qkv())
+    assert len(graphs) == 1
+    assert "torch.ops.fagen.flash_attn_fwd.default" in graphs[0].code
+
+
+def test_bundle_lookup_order_and_cache(tmp_path, monkeypatch):
+    explicit = write_bundle(tmp_path / "explicit", [kernel_entry("sm90", KEY)])
+    from_env = write_bundle(tmp_path / "env", [kernel_entry("sm90", KEY)])
+    monkeypatch.setenv("FAGEN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FAGEN_BUNDLE", raising=False)
+    assert bundle_path() == (tmp_path / "home" / "default").resolve()
+    monkeypatch.setenv("FAGEN_BUNDLE", str(from_env))
+    assert bundle_path() == from_env.resolve()
+    assert bundle_path(explicit) == explicit.resolve()
+    first = get_bundle(explicit)
+    assert get_bundle(str(explicit)) is first
+    assert get_bundle(first) is first
+    assert get_bundle().path == from_env.resolve()
+
+
+def test_tma_maps_describe_each_tensor(monkeypatch):
+    from fagen.bundle.format import Launch
+
+    calls = []
+
+    def encode(dtype, address, dims, byte_strides, box):
+        calls.append((dtype, address, dims, byte_strides, box))
+        return bytes([len(calls)]) * 128
+
+    monkeypatch.setattr(adapter.driver, "encode_tiled_tensor_map", encode)
+    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2)  # (2, 300, 4, 128) view
+    k = torch.randn(2, 500, 1, 128, dtype=torch.bfloat16)
+    maps = adapter.tma_maps(q, k, k, Launch(threads=384, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=176))
+    assert bytes(maps) == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128
+    assert calls[0] == ("bf16", q.data_ptr(), (128, 300, 4, 2), (256, 300 * 256, 4 * 300 * 256), (64, 128, 1, 1))
+    assert calls[1] == ("bf16", k.data_ptr(), (128, 500, 1, 2), (256, 256, 500 * 256), (64, 176, 1, 1))
+
+
+def test_broadcast_is_copied_for_tma_kernels():
+    t = torch.randn(1, 9, 2, 64, dtype=torch.bfloat16).expand(3, -1, -1, -1)
+    assert adapter._kernel_ready(t) is t
+    ready = adapter._kernel_ready(t, uses_tma=True)
+    assert ready is not t and ready.is_contiguous() and torch.equal(ready, t)
