@@ -32,7 +32,8 @@ def render_index_header(manifest: Manifest) -> str:
             _c_string(k.name), _c_string(k.key), _c_string(k.arch), str(major), str(minor),
             str(int(k.arch_specific)), _c_string(k.cubin), _c_string(k.sha256), f"{k.size}ull",
             str(k.launch.threads), str(k.launch.block_m), str(k.launch.dynamic_smem),
-            str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(k.fa_version),
+            str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(int(k.launch.persistent)),
+            str(k.fa_version),
         ]
         rows.append("    {" + ", ".join(fields) + "},")
     return "\n".join([
@@ -51,7 +52,8 @@ def render_index_header(manifest: Manifest) -> str:
         f"#define FAGEN_BUNDLE_MANIFEST_SHA256 {_c_string(manifest_sha256(manifest))}",
         f"#define FAGEN_KERNEL_COUNT {len(manifest.kernels)}",
         "",
-        "/* One row per kernel; grid = (ceil(seqlen_q / block_m), heads_q, batch), block = threads. */",
+        "/* One row per kernel; grid = (ceil(seqlen_q / block_m), heads_q, batch), block = threads;",
+        "   persistent kernels: grid = (min(query blocks * heads_q * batch, SMs), 1, 1). */",
         "typedef struct FagenKernelInfo {",
         "    const char* name;          /* extern \"C\" symbol in the cubin */",
         "    const char* key;           /* lookup key, e.g. \"fwd/bf16/hd128/causal\" */",
@@ -68,6 +70,7 @@ def render_index_header(manifest: Manifest) -> str:
         "    int tma_q_rows;            /* > 0: the kernel takes FagenTmaMaps (params.h) as a 2nd",
         "                                  parameter; box rows of the Q map */",
         "    int tma_kv_rows;           /* box rows of the K and V maps */",
+        "    int persistent;            /* 1: one CTA per SM walks the tiles (grid above) */",
         "    int fa_version;            /* selection prefers the highest that runs on the device */",
         "} FagenKernelInfo;",
         "",

@@ -67,8 +67,13 @@ TABLE: tuple[TuningRow, ...] = (
     # warpgroup, warp specialization + ping-pong + intra-warpgroup overlap (each measured in
     # the ablation of docs/performance.md). ----
     TuningRow(3, 64, 128, 128, 12, 2,
-              "S and O are 64 regs each per consumer thread; block_n 192 and 3 stages measured "
-              "within 5% (0.84-0.90x cuDNN); 81 KB smem",
+              "non-causal: without ping-pong 424 vs 407 TFLOP/s at 4k, 392 vs 384 at 2k (H200, "
+              "2026-11-30): at head_dim 64 a block's MMAs are too short to hide the other "
+              "warpgroup's softmax, so taking turns only adds barrier waits; 81 KB smem",
+              warp_specialized=True, intra_wg_overlap=True, causal=False),
+    TuningRow(3, 64, 128, 128, 12, 2,
+              "causal: ping-pong 1-2% ahead (335 vs 332 at 4k); block_n 192 and 3 stages "
+              "measured no better; S and O are 64 regs each per consumer thread",
               warp_specialized=True, pingpong=True, intra_wg_overlap=True),
     TuningRow(3, 128, 128, 176, 12, 2,
               "non-causal: block_n 176 halves the per-block overhead share: 586 vs 570 TFLOP/s "

@@ -405,9 +405,24 @@ public:
             return Status::error(std::string("fagen: kernel ") + info_->name + " uses TMA and needs FagenTmaMaps");
         }
         CUlaunchConfig config{};
-        config.gridDimX = static_cast<unsigned>((params.seqlen_q + info_->block_m - 1) / info_->block_m);
+        const int query_blocks = (params.seqlen_q + info_->block_m - 1) / info_->block_m;
+        config.gridDimX = static_cast<unsigned>(query_blocks);
         config.gridDimY = static_cast<unsigned>(params.heads_q);
         config.gridDimZ = static_cast<unsigned>(params.batch);
+        if (info_->persistent) {
+            CUdevice device = 0;
+            int sms = 0;
+            if (Status s = d.value()->check(d.value()->ctx_get_device(&device), "cuCtxGetDevice"); !s.ok()) return s;
+            if (Status s = d.value()->check(
+                    d.value()->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+                    "cuDeviceGetAttribute");
+                !s.ok()) {
+                return s;
+            }
+            const long long tiles = static_cast<long long>(query_blocks) * params.heads_q * params.batch;
+            config.gridDimX = static_cast<unsigned>(tiles < sms ? tiles : sms);
+            config.gridDimY = config.gridDimZ = 1;
+        }
         config.blockDimX = static_cast<unsigned>(info_->threads);
         config.blockDimY = config.blockDimZ = 1;
         config.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
