@@ -28,7 +28,7 @@ for b in $BENCH_BUNDLES; do
     timeout 60 python3 -m bench.cold_start --bundle ".carry/$b" --json "$OUT/cold_$b.json" 2>&1 | tail -6
     echo "=== benchmark: $b"
     timeout 150 python3 -m bench.attention --bundle ".carry/$b" --seqlens 512,1k,2k,4k,8k,16k \
-        --head-dims 64,128,256 --causal both --json "$OUT/bench_$b.json" \
+        --head-dims 64,128,256 --causal both --json "$OUT/bench_$b.json" --png "$OUT/bench_$b.png" \
         --table "$OUT/bench_$b.txt" > "$OUT/bench_$b.log" 2>&1
     cat "$OUT/bench_$b.txt"
 done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -30,8 +31,9 @@ def cuobjdump_path() -> Path:
     if found := shutil.which("cuobjdump"):
         return Path(found)
     raise ToolchainError(
-        "cuobjdump not found: pip install 'nvidia-cuda-cuobjdump>=13.0,<14' (fagen needs it to "
-        "check the SASS of every kernel it builds)"
+        "cuobjdump not found: pip install 'nvidia-cuda-cuobjdump>=13.0,<14' "
+        "'nvidia-cuda-nvdisasm>=13.0,<14' (fagen needs them to check the SASS of every kernel "
+        "it builds)"
     )
 
 
@@ -39,8 +41,11 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.TemporaryDirectory(prefix="fagen-sass-") as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
+        # cuobjdump -sass runs nvdisasm, which pip installs beside it (nvidia-cuda-nvdisasm).
+        tools = cuobjdump_path().parent
+        env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
         proc = subprocess.run(
-            [str(cuobjdump_path()), "-sass", str(path)], capture_output=True, text=True
+            [str(cuobjdump_path()), "-sass", str(path)], capture_output=True, text=True, env=env
         )
     if proc.returncode != 0:
         raise ToolchainError(f"cuobjdump -sass failed ({proc.returncode}): {proc.stderr.strip()}")
