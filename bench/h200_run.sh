@@ -15,7 +15,7 @@ BENCH_BUNDLES=${3:-hopper}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 for b in $TEST_BUNDLES; do
     echo "=== gpu tests: $b"
-    FAGEN_BUNDLE=.carry/$b timeout 150 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider \
+    FAGEN_BUNDLE=$PWD/.carry/$b timeout 240 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider \
         --maxfail=5 2>&1 | tee "$OUT/pytest_$b.log" | grep -E "passed|failed|error|FAIL" | tail -8
 done
 if [[ -n "$SWEEP_BUNDLE" ]]; then

@@ -16,7 +16,7 @@ TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box / wgmma atom is 64 fp16/bf16 col
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values fagen/codegen/ptx_wrappers.py generates wrappers for: the block_n and
 # head_dim values the tuning table uses.
-WGMMA_N = (64, 96, 128, 176, 192, 256)
+WGMMA_N = (64, 80, 96, 128, 160, 176, 192, 256)
 
 # Registers after setmaxnreg (FlashAttention-3 paper, section 3.1: the producer needs almost
 # none). 24 + 2 x 240 per thread-slot of 128 threads = 504 x 128 <= 64K registers.

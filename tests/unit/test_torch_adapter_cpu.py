@@ -147,12 +147,17 @@ def test_tma_maps_describe_each_tensor(monkeypatch):
         return bytes([len(calls)]) * 128
 
     monkeypatch.setattr(adapter.driver, "encode_tiled_tensor_map", encode)
+    adapter._encode_tensor_map.cache_clear()
     q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2)  # (2, 300, 4, 128) view
     k = torch.randn(2, 500, 1, 128, dtype=torch.bfloat16)
-    maps = adapter.tma_maps(q, k, k, Launch(threads=384, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=176))
+    v = torch.randn(2, 500, 1, 128, dtype=torch.bfloat16)
+    launch = Launch(threads=384, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=176)
+    maps = adapter.tma_maps(q, k, v, launch)
     assert bytes(maps) == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128
     assert calls[0] == ("bf16", q.data_ptr(), (128, 300, 4, 2), (256, 300 * 256, 4 * 300 * 256), (64, 128, 1, 1))
     assert calls[1] == ("bf16", k.data_ptr(), (128, 500, 1, 2), (256, 256, 500 * 256), (64, 176, 1, 1))
+    # The same tensors again: the maps come from the cache, not the driver.
+    assert bytes(adapter.tma_maps(q, k, v, launch)) == bytes(maps) and len(calls) == 3
 
 
 def test_broadcast_is_copied_for_tma_kernels():

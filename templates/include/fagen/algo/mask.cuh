@@ -25,9 +25,9 @@ struct AttentionMask {
         return (keys + block_n - 1) / block_n;
     }
 
-    // Whether key block `n_block` holds any (row, key) pair that must be masked for rows
-    // [row_begin, row_begin + block_m): past seqlen_k, or (causal) right of the diagonal of the
-    // block's first row. Every other block is computed without masking.
+    // Whether key block `n_block` holds any (row, key) pair that must be masked for rows from
+    // `row_begin` on: past seqlen_k, or (causal) right of the diagonal of row `row_begin`. Called
+    // with a warp's first row, so on a diagonal block only the warps it crosses pay for the mask.
     __device__ __forceinline__ bool block_needs_mask(int n_block, int row_begin, int block_n) const {
         const int last_key = (n_block + 1) * block_n - 1;
         bool needs = last_key >= seqlen_k;

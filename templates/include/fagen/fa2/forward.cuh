@@ -190,7 +190,7 @@ struct Forward {
                 }
             }
 
-            if (mask.block_needs_mask(n_block, row_begin, Config::kBlockN)) {
+            if (mask.block_needs_mask(n_block, row_begin + warp_row, Config::kBlockN)) {
                 mask.apply(acc_s, lane, row_begin + warp_row, n_block * Config::kBlockN);
             }
             softmax.step(acc_s, acc_o, p.scale_log2);

@@ -244,7 +244,7 @@ struct Forward {
         // P V is still in flight (then the caller rescales after waiting).
         auto scores = [&](int j, bool pv_in_flight) {
             const int n_block = w.n_blocks - 1 - j;
-            if (mask.block_needs_mask(n_block, w.row_begin, kBlockN)) {
+            if (mask.block_needs_mask(n_block, w.row_begin + warp_row, kBlockN)) {
                 mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
             }
             softmax.update(acc_s, rescale, prm.scale_log2);
