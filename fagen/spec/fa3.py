@@ -14,7 +14,7 @@ ELEMENT_BYTES = 2
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
 TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box / wgmma atom is 64 fp16/bf16 columns wide
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
-# wgmma N values fagen/codegen/ptx_wrappers.py generates wrappers for: the block_n and
+# wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
 # head_dim values the tuning table uses.
 WGMMA_N = (64, 80, 96, 128, 160, 176, 192, 256)
 

@@ -2,7 +2,8 @@
 // ring, wgmma with fp32 accumulators in registers, warp specialization with register
 // reallocation, optional ping-pong scheduling between the two consumer warpgroups and optional
 // intra-warpgroup overlap of softmax with the next Q K^T (FlashAttention-3 paper, sections 3.1
-// and 3.2). Each feature is a Config flag so its effect can be measured alone.
+// and 3.2). Each feature is a Config flag so its effect can be measured alone; so are the
+// softmax options of algo/online_softmax.cuh (exp2 emulation, conditional rescale).
 //
 // Roles (warpgroup = 128 threads):
 //   producer  (warpgroup 0, when kWarpSpecialized): one thread issues every TMA load.
