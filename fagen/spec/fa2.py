@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import MAX_REGISTERS_PER_THREAD
+from .layout import ELEMENT_BYTES, smem_limit_problems
 
 MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
 MMA_N = 8
 MMA_K = 16
-ELEMENT_BYTES = 2  # fp16 / bf16
 VECTOR_BYTES = 16  # cp.async / ldmatrix / epilogue stores move 16-byte vectors
 WARP_ROW_CHOICES = (16, 32)  # rows per warp: 1 or 2 m16 tiles
 WARP_CHOICES = (1, 2, 4, 8)
@@ -90,12 +90,7 @@ class Fa2Geometry:
             out.append(f"tile.stages={self.stages}: must be in [{STAGE_RANGE[0]}, {STAGE_RANGE[1]}]")
         if out:
             return out
-        if self.smem_bytes > max_smem:
-            out.append(
-                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
-                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
-                f"the arch allows {max_smem}"
-            )
+        out.extend(smem_limit_problems(self, max_smem))
         if self.estimated_registers > MAX_REGISTERS_PER_THREAD:
             out.append(
                 f"tile (block_m={self.block_m}, warps={self.warps}, block_n={self.block_n}) "

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
+from .layout import SWIZZLE_ATOM_BYTES, TmaRingLayout, smem_limit_problems
 
-ELEMENT_BYTES = 2
-SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
 TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box / wgmma atom is 64 fp16/bf16 columns wide
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
@@ -29,7 +28,7 @@ MBARRIERS_FOR_Q = 2  # q_full, q_empty
 
 
 @dataclass(frozen=True)
-class Fa3Geometry:
+class Fa3Geometry(TmaRingLayout):
     head_dim: int
     block_m: int
     block_n: int
@@ -48,29 +47,6 @@ class Fa3Geometry:
     def expected_warps(self) -> int:
         return 4 * (self.consumers + (1 if self.warp_specialized else 0))
 
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
-
-    @property
-    def smem_q_offset(self) -> int:
-        return 0
-
-    @property
-    def smem_k_offset(self) -> int:
-        return self.block_m * self.head_dim * ELEMENT_BYTES
-
-    @property
-    def smem_kv_tile_bytes(self) -> int:
-        return self.block_n * self.head_dim * ELEMENT_BYTES
-
-    @property
-    def smem_v_offset(self) -> int:
-        return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
-
-    @property
-    def smem_barrier_offset(self) -> int:
-        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -115,12 +91,7 @@ class Fa3Geometry:
             out.append(f"tile.stages={self.stages}: must be in [2, 4]")
         if out:
             return out
-        if self.smem_bytes > max_smem:
-            out.append(
-                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
-                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
-                f"the arch allows {max_smem}"
-            )
+        out.extend(smem_limit_problems(self, max_smem))
         if self.estimated_registers > self.consumer_registers:
             out.append(
                 f"tile (block_n={self.block_n}) needs about {self.estimated_registers} registers "

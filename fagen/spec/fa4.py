@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ELEMENT_BYTES = 2
-SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
+from .layout import SWIZZLE_ATOM_BYTES, TmaRingLayout, smem_limit_problems
+
 TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box is 64 fp16/bf16 columns wide
 BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
 # Role warps (templates/include/fagen/fa4/forward.cuh): 4 softmax, 4 correction, then load, MMA
@@ -46,36 +46,13 @@ def tmem_allocation(columns: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fa4Geometry:
+class Fa4Geometry(TmaRingLayout):
     head_dim: int
     block_m: int
     block_n: int
     warps: int
     stages: int
 
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
-
-    @property
-    def smem_q_offset(self) -> int:
-        return 0
-
-    @property
-    def smem_k_offset(self) -> int:
-        return self.block_m * self.head_dim * ELEMENT_BYTES
-
-    @property
-    def smem_kv_tile_bytes(self) -> int:
-        return self.block_n * self.head_dim * ELEMENT_BYTES
-
-    @property
-    def smem_v_offset(self) -> int:
-        return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
-
-    @property
-    def smem_barrier_offset(self) -> int:
-        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
 
     @property
     def smem_control_bytes(self) -> int:
@@ -122,10 +99,5 @@ class Fa4Geometry:
                 f"head_dim={self.head_dim} (2 x block_n for S, head_dim for O); an SM has "
                 f"{TMEM_COLUMNS}"
             )
-        if self.smem_bytes > max_smem:
-            out.append(
-                f"tile (block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}) "
-                f"needs {self.smem_bytes} bytes of shared memory at head_dim={self.head_dim}; "
-                f"the arch allows {max_smem}"
-            )
+        out.extend(smem_limit_problems(self, max_smem))
         return out

@@ -1,0 +1,55 @@
+"""Pieces every kernel geometry shares: element size, the shared-memory limit check, and the
+TMA ring layout of the FA3 and FA4 kernels."""
+
+from __future__ import annotations
+
+ELEMENT_BYTES = 2  # fp16 / bf16
+SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
+
+
+def smem_limit_problems(geometry, max_smem: int) -> list[str]:
+    """The message for a tile over the target's shared memory (empty when it fits)."""
+    if geometry.smem_bytes <= max_smem:
+        return []
+    return [
+        f"tile (block_m={geometry.block_m}, block_n={geometry.block_n}, stages={geometry.stages}) "
+        f"needs {geometry.smem_bytes} bytes of shared memory at head_dim={geometry.head_dim}; "
+        f"the arch allows {max_smem}"
+    ]
+
+
+class TmaRingLayout:
+    """Shared memory of the TMA kernels: Q, then `stages` K tiles, then `stages` V tiles, then
+    the control block (mbarriers, ...). Mixed into a geometry dataclass with head_dim, block_m,
+    block_n, warps and stages; every offset stays a multiple of SWIZZLE_ATOM_BYTES because
+    block_m, block_n are multiples of 8 and head_dim of 64."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_q_offset(self) -> int:
+        return 0
+
+    @property
+    def smem_k_offset(self) -> int:
+        return self.block_m * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_kv_tile_bytes(self) -> int:
+        return self.block_n * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_v_offset(self) -> int:
+        return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_barrier_offset(self) -> int:
+        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
