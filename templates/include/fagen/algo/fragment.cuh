@@ -20,6 +20,16 @@ __device__ __forceinline__ FragmentCoord fragment_coord(int lane, int m, int n, 
     return {16 * m + (lane >> 2) + 8 * (i >> 1), 8 * n + 2 * (lane & 3) + (i & 1)};
 }
 
+template <int kM, int kN>
+__device__ __forceinline__ void clear_fragment(float (&acc)[kM][kN][4]) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -140,12 +140,7 @@ struct Forward {
         const uint32_t v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + (lane / 16) * 16;
 
         float acc_o[kMTiles][kOTiles][4];
-#pragma unroll
-        for (int m = 0; m < kMTiles; ++m)
-#pragma unroll
-            for (int n = 0; n < kOTiles; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc_o[m][n][i] = 0.f;
+        algo::clear_fragment(acc_o);
         algo::OnlineSoftmax<kMTiles, Config> softmax;  // Config carries the softmax options
         softmax.init();
 
@@ -162,12 +157,7 @@ struct Forward {
             const uint32_t smem_v = smem_k + Config::kBlockN * kPitch;
 
             float acc_s[kMTiles][kSTiles][4];
-#pragma unroll
-            for (int m = 0; m < kMTiles; ++m)
-#pragma unroll
-                for (int n = 0; n < kSTiles; ++n)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc_s[m][n][i] = 0.f;
+            algo::clear_fragment(acc_s);
 
 #pragma unroll
             for (int kk = 0; kk < kQKSteps; ++kk) {

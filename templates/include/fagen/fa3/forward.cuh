@@ -224,10 +224,7 @@ struct Forward {
         auto parity_of = [&](int j) { return static_cast<uint32_t>(((ring_base + j) / kStages) & 1); };
 
         float acc_o[1][kOTiles][4];
-#pragma unroll
-        for (int n = 0; n < kOTiles; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc_o[0][n][i] = 0.f;
+        algo::clear_fragment(acc_o);
         algo::OnlineSoftmax<1, Config> softmax;  // Config carries the softmax options
         softmax.init();
         float acc_s[1][kSTiles][4];
