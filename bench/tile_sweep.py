@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.attention import HIDDEN, MAX_ABS_DIFF_FLAG, PEERS, TOTAL_TOKENS, attention_flops, median_ms
-from fagen.runtime import launch_grid
-from fagen.torch.adapter import _kernel_ready, fwd_params, get_bundle, tma_maps
+from fagen.torch.adapter import get_bundle, prepare_launch
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -33,22 +32,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def _parse_key(key: str) -> tuple[torch.dtype, int, bool]:
     _, dtype, hd, mask = key.split("/")
     return DTYPES[dtype], int(hd[2:]), mask == "causal"
-
-
-def _launcher(bundle, entry, q, k, v, out, lse, scale):
-    kernel = bundle.kernel(entry)
-    batch, seqlen_q, heads, _ = q.shape
-    grid = launch_grid(entry, seqlen_q, heads, batch, q.device.index)
-    uses_tma = entry.launch.tma_q_rows > 0
-    q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
-    params = fwd_params(q, k, v, out, lse, scale)
-    extra = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def run():
-        kernel.launch(params, grid, stream, device=q.device.index, extra_params=extra)
-
-    return run
 
 
 def _tile(entry) -> str:
@@ -88,7 +71,7 @@ def main(argv=None) -> int:
         for entry in sorted(by_key[key], key=lambda e: (e.fa_version, e.name)):
             out = torch.full_like(q, float("nan"))
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-            run = _launcher(bundle, entry, q, k, v, out, lse, 1.0 / math.sqrt(head_dim))
+            run = prepare_launch(bundle, entry, q, k, v, out, lse, 1.0 / math.sqrt(head_dim))
             run()
             torch.cuda.synchronize()
             diff = (out.float() - reference.float()).abs().max().item()

@@ -199,6 +199,38 @@ def fwd_params(
     )
 
 
+def prepare_launch(
+    kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, scale: float,
+):
+    """Everything a launch of `entry` on these tensors needs (grid, kernel-ready copies, the
+    parameter struct, TMA maps, the loaded kernel), done once; returns the launch itself, which
+    enqueues on torch's current stream when called."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    device = q.device
+    grid = launch_grid(entry, seqlen_q, heads_q, batch, device.index)
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(
+            f"fagen.flash_attn_func: nheads_q={heads_q} and batch={batch} must each be at most "
+            f"{MAX_GRID_YZ} (CUDA grid limit)"
+        )
+    uses_tma = entry.launch.tma_q_rows > 0
+    q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
+    params = fwd_params(q, k, v, out, lse, scale)
+    kernel = kernels.kernel(entry)
+    with torch.cuda.device(device):
+        extra_params = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
+
+    # The default argument holds the kernel-ready tensors (possibly fresh copies) for as long as
+    # the launch can still be enqueued: the parameter struct only has their addresses.
+    def launch(_inputs=(q, k, v)) -> None:
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device).cuda_stream
+            kernel.launch(params, grid, stream, device=device.index, extra_params=extra_params)
+
+    return launch
+
+
 def _flash_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,23 +256,8 @@ def _flash_attn_fwd(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    grid = launch_grid(entry, seqlen_q, heads_q, batch, q.device.index)
-    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
-        raise ValueError(
-            f"fagen.flash_attn_func: nheads_q={heads_q} and batch={batch} must each be at most "
-            f"{MAX_GRID_YZ} (CUDA grid limit)"
-        )
-
-    uses_tma = entry.launch.tma_q_rows > 0
-    # The copies _kernel_ready may make must stay referenced until the launch is enqueued.
-    q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    params = fwd_params(q, k, v, out, lse, scale)
-    kernel = kernels.kernel(entry)
-    with torch.cuda.device(q.device):
-        extra_params = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        kernel.launch(params, grid, stream, device=q.device.index, extra_params=extra_params)
+    prepare_launch(kernels, entry, q, k, v, out, lse, scale)()
     return out, lse
 
 
