@@ -51,7 +51,7 @@ def launch_info(spec: KernelSpec) -> LaunchInfo:
 
 
 def _softmax_options(spec: KernelSpec) -> dict:
-    """The algo/online_softmax.cuh options every template takes (FA2, FA3, FA4)."""
+    """The algo/online_softmax.cuh options every template takes."""
     threshold = spec.tile.rescale_threshold
     return {
         "exp2_emulation_period": spec.tile.exp2_emulation_period,
@@ -67,7 +67,16 @@ def _fa2_context(spec: KernelSpec) -> dict:
         "row_pitch_bytes": g.row_pitch_bytes,
         "smem_q_bytes": g.smem_q_bytes,
         "smem_kv_stage_bytes": g.smem_kv_stage_bytes,
-        **_softmax_options(spec),
+    }
+
+
+def _tma_ring_offsets(g) -> dict:
+    """Shared-memory offsets of the TMA kernels' ring (fagen/spec/layout.py, TmaRingLayout)."""
+    return {
+        "smem_q_offset": g.smem_q_offset,
+        "smem_k_offset": g.smem_k_offset,
+        "smem_v_offset": g.smem_v_offset,
+        "smem_barrier_offset": g.smem_barrier_offset,
     }
 
 
@@ -80,11 +89,7 @@ def _fa3_context(spec: KernelSpec) -> dict:
         "persistent": g.persistent,
         "producer_registers": PRODUCER_REGISTERS,
         "consumer_registers": CONSUMER_REGISTERS,
-        "smem_q_offset": g.smem_q_offset,
-        "smem_k_offset": g.smem_k_offset,
-        "smem_v_offset": g.smem_v_offset,
-        "smem_barrier_offset": g.smem_barrier_offset,
-        **_softmax_options(spec),
+        **_tma_ring_offsets(g),
     }
 
 
@@ -95,12 +100,8 @@ def _fa4_context(spec: KernelSpec) -> dict:
         "softmax_registers": SOFTMAX_REGISTERS,
         "correction_registers": CORRECTION_REGISTERS,
         "control_registers": CONTROL_REGISTERS,
-        "smem_q_offset": g.smem_q_offset,
-        "smem_k_offset": g.smem_k_offset,
-        "smem_v_offset": g.smem_v_offset,
-        "smem_barrier_offset": g.smem_barrier_offset,
+        **_tma_ring_offsets(g),
         "smem_control_bytes": g.smem_control_bytes,
-        **_softmax_options(spec),
     }
 
 
@@ -129,5 +130,6 @@ def build_context(spec: KernelSpec) -> dict:
         "abi_struct": abi.C_STRUCT_NAME,
         "abi_size": abi.struct_size(),
         "abi_offsets": list(abi.field_offsets().items()),
+        **_softmax_options(spec),
         **_ALGORITHM_CONTEXT[spec.fa_version](spec),
     }
