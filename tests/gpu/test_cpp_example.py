@@ -6,7 +6,6 @@ inputs. Skips without a GPU, cmake/g++ or a bundle; needs no pydantic."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attention_reference import attention_math  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,23 +75,6 @@ def runnable_keys(bundle) -> list[str]:
     if not runnable:
         pytest.skip(f"the bundle has no forward kernel for compute capability {cc[0]}.{cc[1]}")
     return runnable
-
-
-def attention_math(q, k, v, causal, scale, dtype):
-    """Explicit softmax attention in `dtype`: out (b, sq, h, d) and LSE (b, h, sq)."""
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    group = q.shape[2] // k.shape[2]
-    qh = q.to(dtype).transpose(1, 2)
-    kh = k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    vh = v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = (qh @ kh.transpose(-1, -2)) * scale
-    if causal:
-        row = torch.arange(seqlen_q, device=q.device).view(-1, 1)
-        col = torch.arange(seqlen_k, device=q.device).view(1, -1)
-        scores = scores.masked_fill(col > row + (seqlen_k - seqlen_q), -math.inf)
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return (probs @ vh).transpose(1, 2), lse
 
 
 def read_dump(directory: Path, name: str, shape, dtype) -> torch.Tensor:
