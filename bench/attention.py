@@ -6,6 +6,10 @@ causal), median time of triton.testing.do_bench(warmup=25, rep=100).
 
     python -m bench.attention [--seqlens 512,1024,...] [--head-dims 64,128,256]
                               [--causal both|yes|no] [--json PATH] [--png PATH] [--bundle DIR]
+                              [--baseline DIR]
+
+--baseline times a second bundle's kernels in the same rows (column "base"): a before/after
+comparison of a kernel change within one run, since absolute numbers drift between runs.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _sdpa(q, k, v, causal):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
 
 
-def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle) -> dict:
+def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=None) -> dict:
     batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
     q, k, v = (
         torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
@@ -107,6 +111,8 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle) -> dict:
         row["errors"]["fagen"] = str(exc).splitlines()[0]
     if "fagen" not in row["errors"]:
         record("fagen", lambda: flash_attn_func(q, k, v, causal=causal, bundle=bundle))
+    if baseline is not None:
+        record("base", lambda: flash_attn_func(q, k, v, causal=causal, bundle=baseline))
     for name, backend in PEERS.items():
         with sdpa_kernel(backend):
             record(name, lambda: _sdpa(q, k, v, causal))
@@ -118,12 +124,13 @@ def _fmt(value, width=7, digits=0):
 
 
 def format_table(rows: list[dict]) -> str:
+    with_base = any("base" in row["tflops"] for row in rows)
     header = (f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'fagen':>7} {'FA2':>7} {'cuDNN':>7} "
-              f"{'f/FA2':>6} {'f/cuDNN':>7} {'maxdiff':>8}")
+              f"{'f/FA2':>6} {'f/cuDNN':>7} {'maxdiff':>8}" + (f" {'base':>7} {'f/base':>6}" if with_base else ""))
     lines = ["forward TFLOP/s (bf16, 16k tokens, hidden 2048)", header, "-" * len(header)]
     for row in rows:
         t = row["tflops"]
-        fagen_t, fa2, cudnn = t.get("fagen"), t.get("FA2"), t.get("cuDNN")
+        fagen_t, fa2, cudnn, base = t.get("fagen"), t.get("FA2"), t.get("cuDNN"), t.get("base")
         diff = row.get("max_abs_diff_vs_FA2")
         flag = " !" if diff is not None and diff > MAX_ABS_DIFF_FLAG else ""
         lines.append(
@@ -131,7 +138,9 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(fagen_t)} {_fmt(fa2)} {_fmt(cudnn)} "
             f"{_fmt(fagen_t / fa2 if fagen_t and fa2 else None, 6, 2)} "
             f"{_fmt(fagen_t / cudnn if fagen_t and cudnn else None, 7, 2)} "
-            f"{_fmt(diff, 8, 4)}{flag}"
+            f"{_fmt(diff, 8, 4)}"
+            + (f" {_fmt(base)} {_fmt(fagen_t / base if fagen_t and base else None, 6, 2)}" if with_base else "")
+            + flag
         )
     errors = [(row, name, text) for row in rows for name, text in row["errors"].items()]
     for row, name, text in errors:
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", type=_int_list, default=list(HEAD_DIMS))
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--bundle", default=None, help="bundle directory (default: $FAGEN_BUNDLE, then fagen's default)")
+    parser.add_argument("--baseline", default=None, help="a second bundle timed in the same rows")
     parser.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON here")
     parser.add_argument("--png", dest="png_path", default=None, help="plot here (needs matplotlib)")
     parser.add_argument("--table", dest="table_path", default=None, help="also write the table here")
@@ -184,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         print("fagen bench: needs a CUDA device", file=sys.stderr)
         return 2
     bundle = get_bundle(args.bundle)
+    baseline = get_bundle(args.baseline) if args.baseline else None
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     for head_dim in args.head_dims:
         for causal in causal_values:
             for seqlen in args.seqlens:
-                row = measure_shape(head_dim, causal, seqlen, bundle)
+                row = measure_shape(head_dim, causal, seqlen, bundle, baseline)
                 rows.append(row)
                 print(f"measured hd{head_dim} {'causal' if causal else 'full'} s{seqlen}: "
                       + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()), flush=True)
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "fagen": fagen.__version__, "bundle": str(bundle.path), "python": platform.python_version(),
+            "fagen": fagen.__version__, "bundle": str(bundle.path),
+            "baseline": str(baseline.path) if baseline else None, "python": platform.python_version(),
             "timer": timer_name(),
         }
         with open(args.json_path, "w") as f:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from .. import abi
 from ..spec import KernelSpec, algorithm_for
-from ..spec.fa3 import CONSUMER_REGISTERS, PRODUCER_REGISTERS
+from ..spec.fa3 import PRODUCER_REGISTERS
 from ..spec.fa4 import CONTROL_REGISTERS, CORRECTION_REGISTERS, SOFTMAX_REGISTERS
 
 C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
@@ -88,7 +88,7 @@ def _fa3_context(spec: KernelSpec) -> dict:
         "intra_wg_overlap": g.intra_wg_overlap,
         "persistent": g.persistent,
         "producer_registers": PRODUCER_REGISTERS,
-        "consumer_registers": CONSUMER_REGISTERS,
+        "consumer_registers": g.consumer_registers,
         **_tma_ring_offsets(g),
     }
 

@@ -17,7 +17,10 @@ MMA_K = 16
 VECTOR_BYTES = 16  # cp.async / ldmatrix / epilogue stores move 16-byte vectors
 WARP_ROW_CHOICES = (16, 32)  # rows per warp: 1 or 2 m16 tiles
 WARP_CHOICES = (1, 2, 4, 8)
-STAGE_RANGE = (2, 4)  # K/V ring depth; 2 = load block j+1 while computing block j
+# K/V ring depth; 2 = load block j+1 while computing block j. 1 = one K and one V buffer, each
+# reloaded while the other is in use (V_j during Q K_j^T, K_{j+1} during softmax and P V_j): half
+# the shared memory of 2 stages, so two CTAs fit on an SM where one would otherwise.
+STAGE_RANGE = (1, 4)
 # Registers beyond the two accumulators: Q/K/V fragments, row max/sum, addresses, loop state.
 # Measured on the shipped variants (ptxas -v): 40-60; 48 keeps the estimate honest without
 # rejecting tiles that compile without spills.

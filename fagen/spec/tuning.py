@@ -58,38 +58,52 @@ TABLE: tuple[TuningRow, ...] = (
               "per warp (m128n64w8); head_dim 96 takes it by the same register arithmetic"),
     TuningRow(2, 128, 64, 64, 4, 2,
               "fallback for 99 KB parts: 16 rows per warp, 52 KB smem"),
-    TuningRow(2, 256, 128, 64, 8, 2,
-              "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps; 0.92x SDPA-FA2, "
-              "best of 4 tiles; 203 KB smem at head_dim 256 -> 1 CTA (8 warps) per SM on sm90"),
+    TuningRow(2, 256, 128, 64, 8, 1,
+              "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps. One K and one V "
+              "buffer (stages 1) instead of a 2-stage ring: 0.93/0.93x SDPA-FA2 (full/causal) at "
+              "2k against 0.90/0.90x (H200 run 13, 2026-11-30); 64x64 with 4 warps (2 CTAs per "
+              "SM, SDPA-FA2's own tile) measured 0.90/0.94x; 132 KB smem at head_dim 256, so "
+              "sm80 (163 KB) takes this row too (not measured on an A100)"),
     TuningRow(2, 256, 64, 32, 4, 2,
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
-    # ---- FA3 forward (wgmma + TMA, sm90a): 2 consumer warpgroups x 64 rows + 1 producer
-    # warpgroup, warp specialization + ping-pong + intra-warpgroup overlap (each measured in
-    # the ablation of docs/performance.md). ----
+    # ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer
+    # warpgroup, warp specialization + intra-warpgroup overlap (+ ping-pong where it measured
+    # better), each measured in the ablation of docs/performance.md. Persistent grids (_ps)
+    # hide each tile's Q/K load latency behind the previous tile; under the causal mask they
+    # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
+    # of 2026-11-30 (runs 11 and 13), ratios to cuDNN in the same run. ----
+    TuningRow(3, 64, 192, 128, 16, 2,
+              "non-causal: three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 "
+              "regs) keep 12 consumer warps per SM busy where hd64's short MMAs leave 8 waiting "
+              "on softmax; persistent: 0.85/0.96/1.01x cuDNN at 1k/2k/4k against 0.80/0.89/0.95x "
+              "for the earlier m128n128 non-persistent tile; 89 KB smem",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False),
     TuningRow(3, 64, 128, 128, 12, 2,
-              "non-causal: without ping-pong 424 vs 407 TFLOP/s at 4k, 392 vs 384 at 2k (H200, "
-              "2026-11-30): at head_dim 64 a block's MMAs are too short to hide the other "
-              "warpgroup's softmax, so taking turns only adds barrier waits; 81 KB smem",
-              warp_specialized=True, intra_wg_overlap=True, causal=False),
-    TuningRow(3, 64, 128, 128, 12, 2,
-              "causal: ping-pong 1-2% ahead (335 vs 332 at 4k); block_n 192 and 3 stages "
-              "measured no better; S and O are 64 regs each per consumer thread",
+              "causal: ping-pong 1-2% ahead of plain overlap. Not persistent: persistent pairs "
+              "won at 512-2k (+3...+17%) but lost 4-7% at 4k-16k (run 14), and the bar is "
+              "set at 2k-16k; three consumers measured 0.67-0.70x cuDNN at 1k; 81 KB smem",
               warp_specialized=True, pingpong=True, intra_wg_overlap=True),
-    TuningRow(3, 128, 128, 176, 12, 2,
-              "non-causal: block_n 176 halves the per-block overhead share: 586 vs 570 TFLOP/s "
-              "for 128; S 88 + O 64 + P 44 regs fit the 240 of a consumer; 209 KB smem",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True, causal=False),
+    TuningRow(3, 128, 128, 160, 12, 2,
+              "non-causal: persistent 557/590 TFLOP/s at 2k/4k against 543/579 for the best "
+              "non-persistent tile (block_n 176, which spills 12 bytes when persistent); S 80 + "
+              "O 64 + P 40 regs fit the 240 of a consumer; 193 KB smem",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
+              causal=False),
     TuningRow(3, 128, 128, 128, 12, 2,
               "causal: block_n 176 wastes more of each diagonal block (499 vs 508 TFLOP/s); "
-              "161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True),
+              "persistent pairs 0.98/1.01x cuDNN at 2k/4k against 0.89/0.99x; 161 KB smem (Q 32 "
+              "KB + 2 stages x K,V 32 KB)",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True),
     TuningRow(3, 256, 128, 80, 12, 2,
-              "O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 (S 40 + "
-              "P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "
-              "non-causal (629 vs 588 TFLOP/s at 4k) and 0-2% causal; 225 KB smem. No "
-              "ping-pong: with it the causal mask code spills (12 bytes), and non-causal it "
-              "measured equal (631 vs 629)",
-              warp_specialized=True, intra_wg_overlap=True),
+              "non-causal: O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 "
+              "(S 40 + P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "
+              "(629 vs 588 TFLOP/s at 4k); 225 KB smem. Not persistent: 0.89/0.90x cuDNN at "
+              "2k/4k against 0.93/0.97x. No ping-pong: equal speed (631 vs 629)",
+              warp_specialized=True, intra_wg_overlap=True, causal=False),
+    TuningRow(3, 256, 128, 80, 12, 2,
+              "causal: block_n 80 as above; persistent pairs 0.97/1.03x cuDNN at 2k/4k against "
+              "0.90/0.95x. No ping-pong: with it the causal mask code spills 12 bytes",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation

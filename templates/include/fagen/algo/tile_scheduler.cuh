@@ -1,13 +1,20 @@
-// Which (query block, head, batch) tile a CTA computes.
+// Which (query block, head, batch) tiles a CTA computes, in which order.
 //
-// Non-persistent grids are (query blocks, heads, batch): one tile per CTA. Persistent grids are
-// (min(tiles, SMs), 1, 1): each CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ..., so a
-// warp-specialized producer can load the next tile while the consumers finish the current one.
+// Non-persistent grids are (query blocks, heads, batch): one tile per CTA. Query blocks run
+// innermost, so the CTAs running together share one head's K/V in L2 (with query blocks
+// outermost a causal 4k hd128 run streams ~2 GB of K/V from DRAM instead). Under a causal mask
+// the last query blocks visit the most key blocks; the hardware hands out CTAs roughly in index
+// order, so each head's heaviest block goes first and its light ones fill in behind.
 //
-// Under a causal mask the last query blocks visit the most key blocks. The hardware hands out
-// CTAs (and a persistent CTA takes tiles) roughly in index order, so causal schedules run the
-// heaviest blocks first and the light ones fill the tail instead of leaving SMs idle behind one
-// long block.
+// Persistent grids are (min(work, SMs), 1, 1): each CTA walks work items blockIdx.x,
+// blockIdx.x + gridDim.x, ..., so a warp-specialized producer can load the next tile while the
+// consumers finish the current one. That static assignment needs items of equal cost. Without a
+// mask every tile costs the same. With a causal mask a tile's cost grows with its query block,
+// so an item is a pair of tiles of one head, query blocks m_blocks-1-p and p (heavy, then
+// light), which together always visit about m_blocks + 1 blocks' worth of keys.
+//
+// Work indices: tile t of a pair item s is index 2s + t; a walk is
+//     for (int i = sched.first(); i < sched.end(); i = sched.next(i)) { sched.tile(i) ... }
 #pragma once
 
 namespace fagen::algo {
@@ -18,40 +25,56 @@ struct Tile {
     int batch;
 };
 
-template <bool kCausal>
-__device__ __forceinline__ int query_block_index() {
-    if constexpr (kCausal) {
-        return static_cast<int>(gridDim.x - 1 - blockIdx.x);
-    } else {
-        return static_cast<int>(blockIdx.x);
-    }
-}
-
 template <bool kCausal, bool kPersistent>
 struct TileScheduler {
+    static constexpr bool kPaired = kCausal && kPersistent;
+
     int m_blocks;
     int heads;
     int batch;
 
-    __device__ __forceinline__ int total() const { return m_blocks * heads * batch; }
+    __device__ __forceinline__ int pairs_per_head() const { return (m_blocks + 1) / 2; }
+
+    // Work items: tiles, or pair items when kPaired. A persistent launch has min(tiles, SMs)
+    // CTAs (fagen/runtime/loader.py launch_grid); one whose first item is past the end idles.
+    __device__ __forceinline__ int work_items() const {
+        return (kPaired ? pairs_per_head() : m_blocks) * heads * batch;
+    }
+    __device__ __forceinline__ int end() const { return kPaired ? 2 * work_items() : work_items(); }
+
     __device__ __forceinline__ int first() const {
         if constexpr (kPersistent) {
-            return static_cast<int>(blockIdx.x);
+            return kPaired ? 2 * static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
         } else {
             return static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
         }
     }
-    __device__ __forceinline__ int stride() const {
-        return kPersistent ? static_cast<int>(gridDim.x) : total();
+
+    __device__ __forceinline__ int next(int index) const {
+        if constexpr (!kPersistent) {
+            return end();
+        } else if constexpr (kPaired) {
+            const int p = (index / 2) % pairs_per_head();
+            // The middle query block of an odd count pairs with itself: one tile only.
+            const bool has_light = m_blocks - 1 - p != p;
+            return index % 2 == 0 && has_light ? index + 1
+                                                : 2 * (index / 2 + static_cast<int>(gridDim.x));
+        } else {
+            return index + static_cast<int>(gridDim.x);
+        }
     }
 
-    // Query blocks innermost, so the CTAs running together share one head's K/V in L2 (with
-    // query blocks outermost a causal 4k hd128 run streams ~2 GB of K/V from DRAM instead);
-    // causal: descending within each head, its heaviest tile first.
     __device__ __forceinline__ Tile tile(int index) const {
-        const int within = index % m_blocks;
-        return {kCausal ? m_blocks - 1 - within : within, (index / m_blocks) % heads,
-                index / (m_blocks * heads)};
+        if constexpr (kPaired) {
+            const int item = index / 2;
+            const int p = item % pairs_per_head();
+            const int pair = item / pairs_per_head();
+            return {index % 2 == 0 ? m_blocks - 1 - p : p, pair % heads, pair / heads};
+        } else {
+            const int within = index % m_blocks;
+            return {kCausal ? m_blocks - 1 - within : within, (index / m_blocks) % heads,
+                    index / (m_blocks * heads)};
+        }
     }
 };
 

@@ -2,7 +2,9 @@
 //
 // One CTA per (query block, head, batch). The Q tile is copied to shared memory once; K/V tiles
 // stream through a ring of Config::kStages shared-memory slots filled by cp.async, so block j+1..
-// j+kStages-1 load while block j computes. Each warp owns kWarpRows query rows (1 or 2 m16
+// j+kStages-1 load while block j computes. With kStages == 1 the one K and one V buffer take
+// turns instead (FlashAttention-2's own schedule): V_j loads during Q K_j^T, K_{j+1} during the
+// softmax and P V_j, at half the shared memory of two stages. Each warp owns kWarpRows query rows (1 or 2 m16
 // tiles): S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulation, operands
 // fetched by ldmatrix; P stays in registers between the two MMAs. Key blocks are visited last
 // to first, so the (at most two) blocks that need masking come first and the rest run unmasked.
@@ -38,7 +40,7 @@ struct Forward {
                   "ldmatrix.x4 loads operand pairs of 16 columns");
     static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1,
                   "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
-    static_assert(Config::kStages >= 2, "the ring needs a slot to load while one computes");
+    static_assert(Config::kStages >= 1);
 
     // Copies `kRows` rows of head_dim elements from global (row stride in elements) to shared
     // memory; rows at or past `rows_valid` are zero-filled.
@@ -82,9 +84,12 @@ struct Forward {
         const int tid = threadIdx.x;
         const int warp = tid / 32;
         const int lane = tid % 32;
-        const int m_block = algo::query_block_index<Config::kCausal>();
-        const int head = blockIdx.y;
-        const int batch = blockIdx.z;
+        const algo::TileScheduler<Config::kCausal, false> sched{
+            (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM, p.heads_q, p.batch};
+        const algo::Tile tile = sched.tile(sched.first());
+        const int m_block = tile.m_block;
+        const int head = tile.head;
+        const int batch = tile.batch;
         const int kv_head = head / (p.heads_q / p.heads_kv);
         const int row_begin = m_block * Config::kBlockM;
         const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
@@ -114,23 +119,31 @@ struct Forward {
         const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
         const uint32_t smem_kv = smem_q + Config::kSmemQBytes;
 
-        // K/V of the j-th visited block (block n_blocks-1-j) into ring slot j % kStages.
-        auto load_kv = [&](int j) {
-            const int n_block = n_blocks - 1 - j;
-            const int key_begin = n_block * Config::kBlockN;
-            const uint32_t slot = smem_kv + (j % Config::kStages) * Config::kSmemKVStageBytes;
-            load_rows<Config::kBlockN>(slot, k + key_begin * p.k_row_stride, p.k_row_stride,
-                                       p.seqlen_k - key_begin, tid);
-            load_rows<Config::kBlockN>(slot + Config::kBlockN * kPitch,
-                                       v + key_begin * p.v_row_stride, p.v_row_stride,
+        // K (or V) rows of the j-th visited block (block n_blocks-1-j) into `dst`.
+        auto load_block = [&](uint32_t dst, const Element* src, long long row_stride, int j) {
+            const int key_begin = (n_blocks - 1 - j) * Config::kBlockN;
+            load_rows<Config::kBlockN>(dst, src + key_begin * row_stride, row_stride,
                                        p.seqlen_k - key_begin, tid);
         };
+        // Ring slot of the j-th visited block: its K rows, then its V rows.
+        auto k_slot = [&](int j) {
+            return smem_kv + (j % Config::kStages) * Config::kSmemKVStageBytes;
+        };
+        auto v_slot = [&](int j) { return k_slot(j) + Config::kBlockN * kPitch; };
 
         load_rows<Config::kBlockM>(smem_q, q, p.q_row_stride, rows_valid, tid);
+        if constexpr (Config::kStages == 1) {
+            load_block(k_slot(0), k, p.k_row_stride, 0);
+            ptx::cp_async_commit_group();
+        } else {
 #pragma unroll
-        for (int j = 0; j < Config::kStages - 1; ++j) {
-            if (j < n_blocks) load_kv(j);
-            ptx::cp_async_commit_group();  // one group per slot, empty or not: counts stay exact
+            for (int j = 0; j < Config::kStages - 1; ++j) {
+                if (j < n_blocks) {
+                    load_block(k_slot(j), k, p.k_row_stride, j);
+                    load_block(v_slot(j), v, p.v_row_stride, j);
+                }
+                ptx::cp_async_commit_group();  // one group per slot, empty or not: counts stay exact
+            }
         }
 
         // Per-lane byte offsets of the ldmatrix row addresses (see ldmatrix.cuh / mma_sync.cuh):
@@ -145,16 +158,28 @@ struct Forward {
         softmax.init();
 
         for (int j = 0; j < n_blocks; ++j) {
-            ptx::cp_async_wait_group<Config::kStages - 2>();
-            // Block j has landed for every thread, and every warp is done with block j-1,
-            // whose slot the next load overwrites.
-            __syncthreads();
-            if (j + Config::kStages - 1 < n_blocks) load_kv(j + Config::kStages - 1);
-            ptx::cp_async_commit_group();
+            if constexpr (Config::kStages == 1) {
+                // K_j has landed for every thread, and every warp is done with V_{j-1}, whose
+                // buffer V_j now fills while Q K_j^T runs.
+                ptx::cp_async_wait_group<0>();
+                __syncthreads();
+                load_block(v_slot(j), v, p.v_row_stride, j);
+                ptx::cp_async_commit_group();
+            } else {
+                ptx::cp_async_wait_group<Config::kStages - 2>();
+                // Block j has landed for every thread, and every warp is done with block j-1,
+                // whose slot the next load overwrites.
+                __syncthreads();
+                if (j + Config::kStages - 1 < n_blocks) {
+                    load_block(k_slot(j + Config::kStages - 1), k, p.k_row_stride, j + Config::kStages - 1);
+                    load_block(v_slot(j + Config::kStages - 1), v, p.v_row_stride, j + Config::kStages - 1);
+                }
+                ptx::cp_async_commit_group();
+            }
 
             const int n_block = n_blocks - 1 - j;
-            const uint32_t smem_k = smem_kv + (j % Config::kStages) * Config::kSmemKVStageBytes;
-            const uint32_t smem_v = smem_k + Config::kBlockN * kPitch;
+            const uint32_t smem_k = k_slot(j);
+            const uint32_t smem_v = v_slot(j);
 
             float acc_s[kMTiles][kSTiles][4];
             algo::clear_fragment(acc_s);
@@ -178,6 +203,15 @@ struct Forward {
                         Ops::mma(acc_s[m][2 * np + 1], a[m], b_hi);
                     }
                 }
+            }
+
+            if constexpr (Config::kStages == 1) {
+                // V_j has landed, and every warp is done with K_j: K_{j+1} loads during the
+                // softmax and P V_j.
+                ptx::cp_async_wait_group<0>();
+                __syncthreads();
+                if (j + 1 < n_blocks) load_block(k_slot(j + 1), k, p.k_row_stride, j + 1);
+                ptx::cp_async_commit_group();
             }
 
             if (mask.block_needs_mask(n_block, row_begin + warp_row, Config::kBlockN)) {

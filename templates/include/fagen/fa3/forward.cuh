@@ -7,8 +7,9 @@
 //
 // Roles (warpgroup = 128 threads):
 //   producer  (warpgroup 0, when kWarpSpecialized): one thread issues every TMA load.
-//   consumers (the others, 64 query rows each): S = Q K^T (wgmma, both operands in shared
-//             memory), online softmax, O += P V (wgmma, P from registers), epilogue.
+//   consumers (the others: 1-3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
+//             operands in shared memory), online softmax, O += P V (wgmma, P from registers),
+//             epilogue.
 // Without warp specialization the consumers are the whole CTA and thread 0 issues the loads
 // between its own MMAs. Persistent kernels (kPersistent, warp-specialized only) walk several
 // tiles per CTA: the producer loads the next tile's Q and K/V while the consumers still compute
@@ -61,7 +62,7 @@ struct Forward {
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
     static constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes
 
-    static_assert(kBlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 2);
+    static_assert(kBlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3);
     static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
     static_assert(kBlockN % 16 == 0);
     static_assert(Config::kThreads == (kConsumers + (Config::kWarpSpecialized ? 1 : 0)) * 128);
@@ -411,7 +412,7 @@ struct Forward {
             return;
         }
         int ring = 0, tile_count = 0;
-        for (int index = sched.first(); index < sched.total(); index += sched.stride()) {
+        for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
             const Work w = work_for(prm, sched, index);
             if (w.n_blocks <= 0) continue;
             load_q(maps, s, w, tile_count++);
@@ -434,7 +435,7 @@ struct Forward {
             }
         } else {
             int ring = 0, tile_count = 0;
-            for (int index = sched.first(); index < sched.total(); index += sched.stride()) {
+            for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
                 const Work w = work_for(prm, sched, index);
                 if (w.n_blocks <= 0) {
                     write_empty_rows(prm, w, consumer * 128 + thread);

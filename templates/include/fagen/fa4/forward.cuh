@@ -423,11 +423,14 @@ struct Forward {
 
     // ---------------------------------------------------------------- entry
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+        const algo::TileScheduler<Config::kCausal, false> sched{
+            (prm.seqlen_q + kBlockM - 1) / kBlockM, prm.heads_q, prm.batch};
+        const algo::Tile tile = sched.tile(sched.first());
         Work w;
-        w.head = blockIdx.y;
-        w.batch = blockIdx.z;
+        w.head = tile.head;
+        w.batch = tile.batch;
         w.kv_head = w.head / (prm.heads_q / prm.heads_kv);
-        w.row_begin = algo::query_block_index<Config::kCausal>() * kBlockM;
+        w.row_begin = tile.m_block * kBlockM;
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
         w.n_blocks = mask.key_blocks(w.row_begin, kBlockM, kBlockN);
         if (w.n_blocks <= 0) {
