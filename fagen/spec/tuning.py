@@ -73,16 +73,14 @@ TABLE: tuple[TuningRow, ...] = (
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
     # of 2026-11-30 (runs 11 and 13), ratios to cuDNN in the same run. ----
     TuningRow(3, 64, 192, 128, 16, 2,
-              "non-causal: three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 "
-              "regs) keep 12 consumer warps per SM busy where hd64's short MMAs leave 8 waiting "
-              "on softmax; persistent: 0.85/0.96/1.01x cuDNN at 1k/2k/4k against 0.80/0.89/0.95x "
-              "for the earlier m128n128 non-persistent tile; 89 KB smem",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False),
-    TuningRow(3, 64, 128, 128, 12, 2,
-              "causal: ping-pong 1-2% ahead of plain overlap. Not persistent: persistent pairs "
-              "won at 512-2k (+3...+17%) but lost 4-7% at 4k-16k (run 14), and the bar is "
-              "set at 2k-16k; three consumers measured 0.67-0.70x cuDNN at 1k; 81 KB smem",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True),
+              "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 regs) keep 12 "
+              "consumer warps per SM busy where hd64's short MMAs leave 8 waiting on softmax; "
+              "persistent. Non-causal 0.92/1.00/1.00/1.01x cuDNN at 1k/2k/4k/8k, causal "
+              "0.77/0.86/0.97/0.99x, against 0.79/0.94/0.96/0.98x and 0.72/0.82/0.89/0.91x for "
+              "the earlier tiles (m192 non-persistent; m128n128 ping-pong non-persistent) in the "
+              "same run (run 15). The m128n128 ping-pong tile made persistent is ahead at 1k-2k "
+              "causal (0.87/0.90x) but flat at 0.90x from 4k on; 89 KB smem",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True),
     TuningRow(3, 128, 128, 160, 12, 2,
               "non-causal: persistent 557/590 TFLOP/s at 2k/4k against 543/579 for the best "
               "non-persistent tile (block_n 176, which spills 12 bytes when persistent); S 80 + "

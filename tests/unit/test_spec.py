@@ -176,3 +176,35 @@ def test_unknown_top_level_key_and_bad_bundle_name_are_errors():
 def test_missing_spec_file_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="no such spec file"):
         load_spec_file(tmp_path / "absent.yaml")
+
+
+def test_fa2_one_stage_halves_the_kv_shared_memory():
+    tile = {"block_m": 128, "block_n": 64, "warps": 8}
+    one, two = (spec(head_dim=256, tile={**tile, "stages": s}).geometry for s in (1, 2))
+    assert two.smem_bytes - one.smem_bytes == one.smem_kv_stage_bytes
+    assert "stages" in error_text(head_dim=256, tile={**tile, "stages": 0})
+
+
+FA3_TILE = {"block_n": 128, "stages": 2, "warp_specialized": True, "intra_wg_overlap": True}
+
+
+def test_fa3_three_consumer_warpgroups_split_the_registers():
+    three = spec(fa_version=3, arch="sm90a", head_dim=64,
+                 tile={**FA3_TILE, "block_m": 192, "warps": 16}).geometry
+    two = spec(fa_version=3, arch="sm90a", head_dim=64,
+               tile={**FA3_TILE, "block_m": 128, "warps": 12}).geometry
+    # 24 (producer) + 3 x 160 and 24 + 2 x 240 thread-slots of 128 threads: 504 x 128 <= 64K.
+    assert (three.consumers, three.consumer_registers) == (3, 160)
+    assert (two.consumers, two.consumer_registers) == (2, 240)
+
+
+def test_fa3_four_consumer_warpgroups_are_rejected():
+    text = error_text(fa_version=3, arch="sm90a", head_dim=64,
+                      tile={**FA3_TILE, "block_m": 256, "warps": 20})
+    assert "block_m=256" in text and "three" in text
+
+
+def test_fa3_three_consumers_reject_a_block_that_needs_more_than_160_registers():
+    text = error_text(fa_version=3, arch="sm90a", head_dim=128,
+                      tile={**FA3_TILE, "block_m": 192, "warps": 16})
+    assert "registers" in text and "160" in text

@@ -152,31 +152,44 @@ struct Forward {
     }
 
     // ---------------------------------------------------------------- consumer MMAs
-    // Q K^T for one consumer: A = its 64 rows of Q (K-major), B = K tile (K-major, N = keys).
-    static __device__ __forceinline__ void issue_qk(float (&acc_s)[kSTiles][4], const Smem& s,
-                                                    int consumer, int slot) {
+    // wgmma descriptors of a consumer's operands at k-step 0 of ring slot 0, built once: each
+    // wgmma then only advances the start address (a 64-bit add of a constant), where
+    // rebuilding every field cost ~100 integer instructions per key block at head_dim 64.
+    struct Descriptors {
+        unsigned long long q;  // A of Q K^T: the consumer's 64 rows of Q (K-major)
+        unsigned long long k;  // B of Q K^T: K tile (K-major, N = keys)
+        unsigned long long v;  // B of P V: V tile read MN-major (N = head_dim contiguous)
+    };
+
+    static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer) {
+        return {ptx::wgmma_desc_swizzle128(s.q + consumer * 64 * 128, 16, kSwizzleAtomBytes),
+                ptx::wgmma_desc_swizzle128(s.k, 16, kSwizzleAtomBytes),
+                ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
+    }
+
+    // Q K^T for one consumer from ring slot `slot`.
+    static __device__ __forceinline__ void issue_qk(float (&acc_s)[kSTiles][4], const Descriptors& d,
+                                                    int slot) {
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
             const int chunk = kk / 4;
             const uint32_t k_offset = (kk % 4) * 32;  // 16 columns = 32 bytes into the row
-            const unsigned long long desc_q = ptx::wgmma_desc_swizzle128(
-                s.q + chunk * kBlockM * 128 + consumer * 64 * 128 + k_offset, 16, kSwizzleAtomBytes);
-            const unsigned long long desc_k = ptx::wgmma_desc_swizzle128(
-                s.k_tile(slot) + chunk * kBlockN * 128 + k_offset, 16, kSwizzleAtomBytes);
-            ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(acc_s, desc_q, desc_k, kk > 0);
+            ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(
+                acc_s, ptx::wgmma_desc_advance(d.q, chunk * kBlockM * 128 + k_offset),
+                ptx::wgmma_desc_advance(d.k, slot * kKVBytes + chunk * kBlockN * 128 + k_offset),
+                kk > 0);
         }
         ptx::wgmma_commit_group();
     }
 
-    // O += P V: A = P from registers, B = V tile read MN-major (N = head_dim contiguous).
+    // O += P V: A = P from registers, B = V of ring slot `slot`.
     static __device__ __forceinline__ void issue_pv(float (&acc_o)[kOTiles][4],
-                                                    const uint32_t (&p)[kPSteps][4], const Smem& s,
-                                                    int slot) {
+                                                    const uint32_t (&p)[kPSteps][4],
+                                                    const Descriptors& d, int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            const unsigned long long desc_v = ptx::wgmma_desc_swizzle128(
-                s.v_tile(slot) + kk * 16 * 128, kBlockN * 128, kSwizzleAtomBytes);
-            ptx::wgmma_rs<kHeadDim, Config::kIsBf16, 1>(acc_o, p[kk], desc_v, 1);
+            ptx::wgmma_rs<kHeadDim, Config::kIsBf16, 1>(
+                acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * kKVBytes + kk * 16 * 128), 1);
         }
         ptx::wgmma_commit_group();
     }
@@ -221,6 +234,7 @@ struct Forward {
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
         const bool issues_loads = !Config::kWarpSpecialized && consumer == 0 && thread == 0;
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        const Descriptors desc = descriptors(s, consumer);
         auto slot_of = [&](int j) { return (ring_base + j) % kStages; };
         auto parity_of = [&](int j) { return static_cast<uint32_t>(((ring_base + j) / kStages) & 1); };
 
@@ -250,17 +264,25 @@ struct Forward {
             if (!pv_in_flight) algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
         };
 
+        // Q K_j^T has completed: K_j's slot is free, and after the tile's last block so is Q,
+        // whose next tile a persistent producer then loads during the last softmax, P V and
+        // epilogue instead of after them.
+        auto release_k = [&](int j) {
+            ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
+            if (j == w.n_blocks - 1) ptx::mbarrier_arrive(s.q_empty());
+        };
+
         if constexpr (Config::kIntraWarpgroupOverlap) {
             // Software pipeline: iteration j issues Q K_j and P_{j-1} V_{j-1} back to back, then
             // runs the softmax of block j while P_{j-1} V_{j-1} is still on the tensor cores.
             ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
             wait_turn(consumer);
             ptx::wgmma_fence();
-            issue_qk(acc_s[0], s, consumer, slot_of(0));
+            issue_qk(acc_s[0], desc, slot_of(0));
             pass_turn(consumer);
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_s[0]);
-            ptx::mbarrier_arrive(s.k_empty(slot_of(0)));
+            release_k(0);
             scores(0, false);
             convert_p(acc_s[0], p);
             for (int j = 1; j < w.n_blocks; ++j) {
@@ -274,12 +296,12 @@ struct Forward {
                 wait_turn(consumer);
                 fence_accumulators(acc_o[0]);
                 ptx::wgmma_fence();
-                issue_qk(acc_s[0], s, consumer, slot_of(j));
-                issue_pv(acc_o[0], p, s, slot_of(j - 1));
+                issue_qk(acc_s[0], desc, slot_of(j));
+                issue_pv(acc_o[0], p, desc, slot_of(j - 1));
                 pass_turn(consumer);
                 ptx::wgmma_wait_group<1>();
                 fence_accumulators(acc_s[0]);
-                ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
+                release_k(j);
                 scores(j, true);
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_o[0]);
@@ -291,7 +313,7 @@ struct Forward {
             ptx::mbarrier_wait_parity(s.v_full(slot_of(last)), parity_of(last));
             fence_accumulators(acc_o[0]);
             ptx::wgmma_fence();
-            issue_pv(acc_o[0], p, s, slot_of(last));
+            issue_pv(acc_o[0], p, desc, slot_of(last));
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_o[0]);
             ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
@@ -305,24 +327,22 @@ struct Forward {
                 ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
                 wait_turn(consumer);
                 ptx::wgmma_fence();
-                issue_qk(acc_s[0], s, consumer, slot_of(j));
+                issue_qk(acc_s[0], desc, slot_of(j));
                 pass_turn(consumer);
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_s[0]);
-                ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
+                release_k(j);
                 scores(j, false);
                 convert_p(acc_s[0], p);
                 ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
                 fence_accumulators(acc_o[0]);
                 ptx::wgmma_fence();
-                issue_pv(acc_o[0], p, s, slot_of(j));
+                issue_pv(acc_o[0], p, desc, slot_of(j));
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_o[0]);
                 ptx::mbarrier_arrive(s.v_empty(slot_of(j)));
             }
         }
-        // Every wgmma that read this tile's Q has completed: the producer may load the next.
-        ptx::mbarrier_arrive(s.q_empty());
 
         float row_lse[1][2];
         softmax.finalize(acc_o, row_lse, prm.scale_log2);

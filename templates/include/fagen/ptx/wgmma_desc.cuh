@@ -33,4 +33,13 @@ __device__ __forceinline__ unsigned long long wgmma_desc_swizzle128(uint32_t sme
     return desc;
 }
 
+// `desc` with its start address moved `bytes` (a multiple of 16) further: a plain add to
+// bits 0-13, exact while the address stays inside the 256 KB that field covers, which every
+// shared-memory address does. Kernels build a descriptor per operand once and advance it per
+// k-step and ring slot, instead of rebuilding all fields for each wgmma.
+__device__ __forceinline__ unsigned long long wgmma_desc_advance(unsigned long long desc,
+                                                                 uint32_t bytes) {
+    return desc + (bytes >> 4);
+}
+
 }  // namespace fagen::ptx
