@@ -71,7 +71,7 @@ TABLE: tuple[TuningRow, ...] = (
     # better), each measured in the ablation of docs/performance.md. Persistent grids (_ps)
     # hide each tile's Q/K load latency behind the previous tile; under the causal mask they
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
-    # of 2026-11-30 (runs 11 and 13), ratios to cuDNN in the same run. ----
+    # of 2026-11-30 (runs 11, 13 and 15), ratios to cuDNN in the same run. ----
     TuningRow(3, 64, 192, 128, 16, 2,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 regs) keep 12 "
               "consumer warps per SM busy where hd64's short MMAs leave 8 waiting on softmax; "
