@@ -16,7 +16,7 @@ from fagen.bundle.writer import build_bundle
 from fagen.cli import main
 from fagen.codegen import RenderedKernel
 from fagen.compiler import CompileError
-from fagen.spec import algorithm_for, load_spec_file
+from fagen.spec import algorithm_for, expand, load_spec_file
 
 JOBS = os.cpu_count() or 1
 
@@ -175,3 +175,13 @@ def test_every_shipped_spec_builds(spec_path, kernel_cache, tmp_path):
     report = build_bundle(expansion, tmp_path / expansion.bundle, jobs=JOBS, cache_dir=kernel_cache)
     assert len(report.manifest.kernels) == len(expansion.specs)
     assert all(e.resources.spill_bytes == 0 for e in report.manifest.kernels)
+
+
+def test_fa3_without_warp_specialization_builds(kernel_cache, tmp_path):
+    # The ablation's variant (a): the CTA is all consumers, no setmaxnreg; no shipped spec has it.
+    expansion = expand({"bundle": "no-ws", "kernels": [
+        {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True,
+         "tile": {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2, "intra_wg_overlap": True}}]})
+    report = build_bundle(expansion, tmp_path / "no-ws", jobs=JOBS, cache_dir=kernel_cache)
+    (entry,) = report.manifest.kernels
+    assert {"HGMMA", "UTMALDG"} <= set(entry.sass) and entry.resources.spill_bytes == 0
