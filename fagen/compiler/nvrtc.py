@@ -32,22 +32,23 @@ def _check(result, what: str) -> None:
         raise ToolchainError(f"{what} failed: {result}")
 
 
-def _program_log(program) -> str:
-    result, size = nvrtc.nvrtcGetProgramLogSize(program)
-    _check(result, "nvrtcGetProgramLogSize")
+def _program_output(program, get_size, get) -> bytes:
+    """One of NVRTC's sized outputs: ask its size, then fill a buffer of that size."""
+    result, size = get_size(program)
+    _check(result, get_size.__name__)
     buffer = b" " * size
-    (result,) = nvrtc.nvrtcGetProgramLog(program, buffer)
-    _check(result, "nvrtcGetProgramLog")
-    return buffer.rstrip(b"\0 ").decode(errors="replace")
+    (result,) = get(program, buffer)
+    _check(result, get.__name__)
+    return buffer
+
+
+def _program_log(program) -> str:
+    log = _program_output(program, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
+    return log.rstrip(b"\0 ").decode(errors="replace")
 
 
 def _program_cubin(program) -> bytes:
-    result, size = nvrtc.nvrtcGetCUBINSize(program)
-    _check(result, "nvrtcGetCUBINSize")
-    buffer = b" " * size
-    (result,) = nvrtc.nvrtcGetCUBIN(program, buffer)
-    _check(result, "nvrtcGetCUBIN")
-    return buffer
+    return _program_output(program, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
 
 
 def nvrtc_compile(source: str, name: str, options: NvrtcOptions) -> tuple[bytes | None, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import MAX_REGISTERS_PER_THREAD
-from .layout import ELEMENT_BYTES, smem_limit_problems
+from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 
 MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
 MMA_N = 8
@@ -28,17 +28,7 @@ REGISTER_OVERHEAD = 48
 
 
 @dataclass(frozen=True)
-class Fa2Geometry:
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
-
+class Fa2Geometry(TileGeometry):
     @property
     def warp_rows(self) -> int:
         return self.block_m // self.warps

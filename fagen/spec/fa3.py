@@ -31,11 +31,6 @@ MBARRIERS_FOR_Q = 2  # q_full, q_empty
 
 @dataclass(frozen=True)
 class Fa3Geometry(TmaRingLayout):
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
     warp_specialized: bool
     pingpong: bool
     intra_wg_overlap: bool
@@ -48,7 +43,6 @@ class Fa3Geometry(TmaRingLayout):
     @property
     def expected_warps(self) -> int:
         return 4 * (self.consumers + (1 if self.warp_specialized else 0))
-
 
     @property
     def smem_bytes(self) -> int:

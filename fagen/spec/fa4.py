@@ -47,13 +47,6 @@ def tmem_allocation(columns: int) -> int:
 
 @dataclass(frozen=True)
 class Fa4Geometry(TmaRingLayout):
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-
-
     @property
     def smem_control_bytes(self) -> int:
         barriers = 8 * (FIXED_MBARRIERS + MBARRIERS_PER_STAGE * self.stages)

@@ -3,6 +3,8 @@ TMA ring layout of the FA3 and FA4 kernels."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 ELEMENT_BYTES = 2  # fp16 / bf16
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
 
@@ -18,11 +20,9 @@ def smem_limit_problems(geometry, max_smem: int) -> list[str]:
     ]
 
 
-class TmaRingLayout:
-    """Shared memory of the TMA kernels: Q, then `stages` K tiles, then `stages` V tiles, then
-    the control block (mbarriers, ...). Mixed into a geometry dataclass with head_dim, block_m,
-    block_n, warps and stages; every offset stays a multiple of SWIZZLE_ATOM_BYTES because
-    block_m, block_n are multiples of 8 and head_dim of 64."""
+@dataclass(frozen=True)
+class TileGeometry:
+    """The fields of every kernel geometry, in the positional order of their constructors."""
 
     head_dim: int
     block_m: int
@@ -33,6 +33,13 @@ class TmaRingLayout:
     @property
     def threads(self) -> int:
         return self.warps * 32
+
+
+@dataclass(frozen=True)
+class TmaRingLayout(TileGeometry):
+    """Shared memory of the TMA kernels: Q, then `stages` K tiles, then `stages` V tiles, then
+    the control block (mbarriers, ...); every offset stays a multiple of SWIZZLE_ATOM_BYTES
+    because block_m, block_n are multiples of 8 and head_dim of 64."""
 
     @property
     def smem_q_offset(self) -> int:

@@ -36,4 +36,17 @@ struct ElementOps<__half> {
     }
 };
 
+// The k16 A operand fragment of mma.sync m16n8k16 (and of wgmma with A from registers) for
+// columns 16*kk .. 16*kk+15 of an fp32 accumulator in the row-pair layout of
+// algo/fragment.cuh: P for P V, converted straight from the S accumulator.
+template <class Element, int kN>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[4], const float (&acc)[kN][4],
+                                                int kk) {
+    using Ops = ElementOps<Element>;
+    a[0] = Ops::pack(acc[2 * kk][0], acc[2 * kk][1]);
+    a[1] = Ops::pack(acc[2 * kk][2], acc[2 * kk][3]);
+    a[2] = Ops::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[3] = Ops::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 }  // namespace fagen::fa2

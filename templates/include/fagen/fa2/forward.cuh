@@ -13,6 +13,7 @@
 
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
@@ -97,15 +98,13 @@ struct Forward {
         const algo::AttentionMask<Config::kCausal> mask{p.seqlen_q, p.seqlen_k};
         const int n_blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
 
-        Element* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride +
-                     head * p.o_head_stride + row_begin * p.o_row_stride;
-        float* lse = p.lse == nullptr
-                         ? nullptr
-                         : p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + row_begin;
+        Element* o = algo::tile_output<Element>(p, batch, head, row_begin);
+        float* lse = algo::tile_lse(p, batch, head, row_begin);
         const int rows_valid = p.seqlen_q - row_begin;
 
         if (n_blocks <= 0) {
-            write_empty_rows(o, p.o_row_stride, lse, rows_valid, tid);
+            algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDim, kThreads>(
+                o, p.o_row_stride, lse, rows_valid, tid);
             return;
         }
 
@@ -223,12 +222,7 @@ struct Forward {
             for (int kk = 0; kk < kPVSteps; ++kk) {
                 uint32_t a[kMTiles][4];
 #pragma unroll
-                for (int m = 0; m < kMTiles; ++m) {
-                    a[m][0] = Ops::pack(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
-                    a[m][1] = Ops::pack(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
-                    a[m][2] = Ops::pack(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
-                    a[m][3] = Ops::pack(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
-                }
+                for (int m = 0; m < kMTiles; ++m) pack_a_fragment<Element>(a[m], acc_s[m], kk);
 #pragma unroll
                 for (int dp = 0; dp < kOTiles / 2; ++dp) {
                     uint32_t b[4];
@@ -289,24 +283,6 @@ struct Forward {
                     const int row = warp_row + 16 * m + lane / 4 + 8 * h;
                     if (row < rows_valid) lse[row] = row_lse[m][h];
                 }
-            }
-        }
-    }
-
-    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
-    static __device__ __forceinline__ void write_empty_rows(Element* o, long long o_row_stride,
-                                                            float* lse, int rows_valid, int tid) {
-        constexpr int kVecs = Config::kBlockM * kVecsPerRow;
-        for (int idx = tid; idx < kVecs; idx += kThreads) {
-            const int row = idx / kVecsPerRow;
-            if (row < rows_valid) {
-                *reinterpret_cast<uint4*>(o + row * o_row_stride + (idx % kVecsPerRow) * 8) =
-                    make_uint4(0, 0, 0, 0);
-            }
-        }
-        if (lse != nullptr) {
-            for (int row = tid; row < Config::kBlockM && row < rows_valid; row += kThreads) {
-                lse[row] = algo::neg_inf();
             }
         }
     }

@@ -206,12 +206,7 @@ struct Forward {
     static __device__ __forceinline__ void convert_p(const float (&acc_s)[kSTiles][4],
                                                      uint32_t (&p)[kPSteps][4]) {
 #pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk) {
-            p[kk][0] = Ops::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-            p[kk][1] = Ops::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-            p[kk][2] = Ops::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-            p[kk][3] = Ops::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-        }
+        for (int kk = 0; kk < kPSteps; ++kk) fa2::pack_a_fragment<Element>(p[kk], acc_s, kk);
     }
 
     // Ping-pong: a consumer waits for its turn before issuing MMAs and hands the turn to the

@@ -44,6 +44,7 @@
 #include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
@@ -305,10 +306,9 @@ struct Forward {
         store_shared_f32(s.row_sum() + row * 4, row_sum);
         ptx::mbarrier_arrive(s.barrier(kStatsFull));
         const int rows_valid = prm.seqlen_q - w.row_begin;
-        if (prm.lse != nullptr && row < rows_valid) {
+        float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
+        if (lse != nullptr && row < rows_valid) {
             constexpr float kLn2 = 0.6931471805599453f;
-            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
-                         w.row_begin;
             lse[row] = row_sum == 0.f
                            ? algo::neg_inf()
                            : (algo::reference_scaled(reference, prm.scale_log2) + __log2f(row_sum)) * kLn2;
@@ -386,8 +386,7 @@ struct Forward {
         }
         ptx::bar_sync(kEpilogueBarrier, kBlockM);
         const int rows_valid = prm.seqlen_q - w.row_begin;
-        Element* out = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
-                       w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
+        Element* out = algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin);
         constexpr int kVecsPerRow = kHeadDim / 8;
         for (int idx = row; idx < kBlockM * kVecsPerRow; idx += kBlockM) {
             const int r = idx / kVecsPerRow;
@@ -399,26 +398,12 @@ struct Forward {
         }
     }
 
-    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+    // Rows that see no key (algo::write_empty_rows), written by the whole CTA.
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w) {
-        const int rows_valid = prm.seqlen_q - w.row_begin;
-        Element* o = static_cast<Element*>(prm.o) + w.batch * prm.o_batch_stride +
-                     w.head * prm.o_head_stride + w.row_begin * prm.o_row_stride;
-        constexpr int kVecsPerRow = kHeadDim / 8;
-        for (int idx = threadIdx.x; idx < kBlockM * kVecsPerRow; idx += Config::kThreads) {
-            const int row = idx / kVecsPerRow;
-            if (row < rows_valid) {
-                *reinterpret_cast<uint4*>(o + row * prm.o_row_stride + (idx % kVecsPerRow) * 8) =
-                    make_uint4(0, 0, 0, 0);
-            }
-        }
-        if (prm.lse != nullptr) {
-            float* lse = prm.lse + w.batch * prm.lse_batch_stride + w.head * prm.lse_head_stride +
-                         w.row_begin;
-            for (int row = threadIdx.x; row < kBlockM && row < rows_valid; row += Config::kThreads) {
-                lse[row] = algo::neg_inf();
-            }
-        }
+        algo::write_empty_rows<Element, kBlockM, kHeadDim, Config::kThreads>(
+            algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
+            algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin,
+            threadIdx.x);
     }
 
     // ---------------------------------------------------------------- entry
