@@ -69,12 +69,16 @@ def _median_ms_cuda_events(fn, warmup: int = 25, runs: int = 100) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     return flops / 2 if causal else flops
 
 
-def _sdpa(q, k, v, causal):
+def sdpa(q, k, v, causal):
     # SDPA takes (batch, heads, seq, dim); these are views of the flash-attn layout.
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
 
@@ -95,12 +99,12 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
             row["errors"][name] = str(exc).splitlines()[0]
             return
         row["ms"][name] = ms
-        row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+        row["tflops"][name] = tflops(flops, ms)
 
     reference = None
     try:
         with sdpa_kernel(PEERS["FA2"]):
-            reference = _sdpa(q, k, v, causal).transpose(1, 2)
+            reference = sdpa(q, k, v, causal).transpose(1, 2)
     except RuntimeError as exc:
         row["errors"]["reference"] = str(exc).splitlines()[0]
     try:
@@ -115,7 +119,7 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
         record("base", lambda: flash_attn_func(q, k, v, causal=causal, bundle=baseline))
     for name, backend in PEERS.items():
         with sdpa_kernel(backend):
-            record(name, lambda: _sdpa(q, k, v, causal))
+            record(name, lambda: sdpa(q, k, v, causal))
     return row
 
 

@@ -16,7 +16,7 @@ import argparse
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from bench.attention import HIDDEN, PEERS, TOTAL_TOKENS, _sdpa
+from bench.attention import HIDDEN, PEERS, TOTAL_TOKENS, sdpa
 from fagen.torch import flash_attn_func
 
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             flash_attn_func(q, k, v, causal=args.causal, bundle=args.bundle)
         else:
             with sdpa_kernel(PEERS[args.peer]):
-                _sdpa(q, k, v, args.causal)
+                sdpa(q, k, v, args.causal)
     torch.cuda.synchronize()
     return 0
 

@@ -19,12 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.attention import HIDDEN, MAX_ABS_DIFF_FLAG, PEERS, TOTAL_TOKENS, attention_flops, median_ms
+from bench.attention import (HIDDEN, MAX_ABS_DIFF_FLAG, PEERS, TOTAL_TOKENS, attention_flops,
+                             median_ms, tflops)
 from fagen.torch.adapter import get_bundle, prepare_launch
 
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
