@@ -105,13 +105,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
         f"{manifest.schema_version}, ABI {manifest.abi_version}, fingerprint "
         f"{manifest.fingerprint[:12]})"
     )
-    for column in ("key", "arch", "fa", "tile", "regs", "smem KB", "size KB", "name"):
+    for column in ("key", "arch", "fa", "tile", "seqlen_k", "regs", "smem KB", "size KB", "name"):
         table.add_column(column, justify="left" if column in ("key", "tile", "name") else "right")
-    for k in sorted(manifest.kernels, key=lambda k: (k.key, k.arch)):
+    unbounded_last = 1 << 62
+    for k in sorted(manifest.kernels, key=lambda k: (k.key, k.arch, k.max_seqlen_k or unbounded_last)):
         tile = k.spec.get("tile")
         tile_text = TileConfig.model_validate(tile).short if tile else "-"
         smem = (k.launch.dynamic_smem + k.resources.static_smem) / 1024
-        table.add_row(k.key, k.arch, str(k.fa_version), tile_text, str(k.resources.registers),
+        seqlen_text = "any" if k.max_seqlen_k is None else f"<= {k.max_seqlen_k}"
+        table.add_row(k.key, k.arch, str(k.fa_version), tile_text, seqlen_text, str(k.resources.registers),
                       f"{smem:.1f}", f"{k.size / 1024:.1f}", k.name)
     _out.print(table)
     if manifest.skipped:

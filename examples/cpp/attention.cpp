@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
     auto device = fagen::use_device(0);
     if (!device.ok()) return fail(device.status().message());
     const fagen::Driver& cu = *fagen::driver().value();
-    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, o.causal));
+    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, o.causal), o.seqlen_k);
     if (!kernel.ok()) return fail(kernel.status().message());
     const char* kernel_name = kernel.value()->info().name;
 

@@ -33,7 +33,7 @@ def render_index_header(manifest: Manifest) -> str:
             str(int(k.arch_specific)), _c_string(k.cubin), _c_string(k.sha256), f"{k.size}ull",
             str(k.launch.threads), str(k.launch.block_m), str(k.launch.dynamic_smem),
             str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(int(k.launch.persistent)),
-            str(k.fa_version),
+            str(k.fa_version), str(k.max_seqlen_k or 0),
         ]
         rows.append("    {" + ", ".join(fields) + "},")
     return "\n".join([
@@ -72,6 +72,8 @@ def render_index_header(manifest: Manifest) -> str:
         "    int tma_kv_rows;           /* box rows of the K and V maps */",
         "    int persistent;            /* 1: one CTA per SM walks the tiles (grid above) */",
         "    int fa_version;            /* selection prefers the highest that runs on the device */",
+        "    int max_seqlen_k;          /* > 0: preferred for calls with at most this many keys;",
+        "                                  0: any length (fagen.hpp: select) */",
         "} FagenKernelInfo;",
         "",
         "static const FagenKernelInfo fagen_kernels[FAGEN_KERNEL_COUNT] = {",

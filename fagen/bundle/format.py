@@ -21,7 +21,8 @@ from pathlib import Path
 from .. import abi
 from .._version import __version__
 
-SCHEMA_VERSION = 1
+# 2: kernels carry max_seqlen_k (a seqlen_k bound the runtime selects by; null = unbounded).
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 
@@ -66,6 +67,9 @@ class KernelEntry:
     launch: Launch
     resources: Resources
     sass: tuple[str, ...]
+    # Preferred for calls with at most this many keys (fagen.runtime.loader.select); None:
+    # any length. Schema-1 manifests have no such field: every kernel unbounded.
+    max_seqlen_k: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelEntry":

@@ -134,6 +134,7 @@ def _entry(spec: KernelSpec, kernel: CachedKernel) -> KernelEntry:
         resources=Resources(registers=r.registers, spill_bytes=r.spill_bytes,
                             stack_bytes=r.stack_bytes, static_smem=r.static_smem),
         sass=kernel.sass,
+        max_seqlen_k=spec.max_seqlen_k,
     )
 
 

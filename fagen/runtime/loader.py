@@ -48,16 +48,42 @@ def _preference(entry: KernelEntry) -> tuple:
     return (entry.fa_version, tuple(entry.compute_capability), entry.arch_specific)
 
 
-def select(
+def _seqlen_fit(entry: KernelEntry, seqlen_k: int | None) -> tuple:
+    """Larger is better: a bound that covers seqlen_k (the tightest first), then an unbounded
+    kernel, then a bound below it (the loosest first: every kernel is correct at any length).
+    seqlen_k None (not known) counts as longer than any bound."""
+    bound = entry.max_seqlen_k
+    if bound is None:
+        return (1, 0)
+    return (2, -bound) if seqlen_k is not None and bound >= seqlen_k else (0, bound)
+
+
+def preferred_family(
     entries: tuple[KernelEntry, ...] | list[KernelEntry],
     key: str,
     compute_capability: tuple[int, int],
     bundle_dir: str | Path = "<bundle>",
-) -> KernelEntry:
+) -> tuple[KernelEntry, ...]:
+    """The entries with exactly `key` that run on `compute_capability` and rank first by
+    algorithm and target (_preference); they differ only in their seqlen_k bounds."""
     candidates = [e for e in entries if e.key == key and runs_on(e, compute_capability)]
     if not candidates:
         raise KernelNotFound(_not_found_message(entries, key, compute_capability, bundle_dir))
-    return max(candidates, key=_preference)
+    best = max(_preference(e) for e in candidates)
+    return tuple(e for e in candidates if _preference(e) == best)
+
+
+def select(
+    entries: tuple[KernelEntry, ...] | list[KernelEntry],
+    key: str,
+    compute_capability: tuple[int, int],
+    seqlen_k: int | None = None,
+    bundle_dir: str | Path = "<bundle>",
+) -> KernelEntry:
+    """The kernel a call with `seqlen_k` keys runs: the preferred family for the device, then
+    the seqlen_k bound that fits the call best (_seqlen_fit)."""
+    family = preferred_family(entries, key, compute_capability, bundle_dir)
+    return max(family, key=lambda e: _seqlen_fit(e, seqlen_k))
 
 
 def _parse_key(key: str) -> dict | None:
@@ -179,21 +205,26 @@ class Bundle:
         self.path = Path(path).resolve()
         self.manifest: Manifest = read_manifest(self.path)
         self._loaded: dict[str, LoadedKernel] = {}
-        self._selected: dict[tuple, KernelEntry] = {}
+        self._families: dict[tuple, tuple[KernelEntry, ...]] = {}
         self._lock = threading.Lock()
 
     @property
     def kernels(self) -> list[KernelEntry]:
         return list(self.manifest.kernels)
 
-    def select(self, key: str, compute_capability: tuple[int, int]) -> KernelEntry:
-        """The best entry with exactly `key` that runs on `compute_capability`; raises
-        KernelNotFound (saying what the bundle holds and how to add the kernel) otherwise."""
+    def select(self, key: str, compute_capability: tuple[int, int],
+               seqlen_k: int | None = None) -> KernelEntry:
+        """The best entry with exactly `key` that runs on `compute_capability`, for calls with
+        `seqlen_k` keys (see select); raises KernelNotFound (saying what the bundle holds and
+        how to add the kernel) otherwise."""
         request = (key, tuple(compute_capability))
-        entry = self._selected.get(request)
-        if entry is None:
-            entry = self._selected[request] = select(self.manifest.kernels, key, request[1], self.path)
-        return entry
+        family = self._families.get(request)
+        if family is None:
+            family = self._families[request] = preferred_family(
+                self.manifest.kernels, key, request[1], self.path)
+        if len(family) == 1:
+            return family[0]
+        return max(family, key=lambda e: _seqlen_fit(e, seqlen_k))
 
     def kernel(self, entry: KernelEntry) -> LoadedKernel:
         """The loaded kernel for `entry`, reading and verifying its cubin on first use."""

@@ -11,7 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_seria
 
 from .algorithms import ALGORITHMS, algorithm_for
 from .arch import ARCHS, Arch
-from .tuning import resolve_tile
+from .tuning import resolve_tile, seqlen_bounds
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # 16-byte vectors of fp16/bf16
@@ -90,6 +90,18 @@ class KernelSpec(BaseModel):
     head_dim: int
     causal: bool = False
     tile: TileConfig
+    max_seqlen_k: int | None = Field(
+        None, gt=0, description="the runtime prefers this kernel for calls with at most this "
+        "many keys (the smallest covering bound of a key wins; unbounded kernels serve the "
+        "rest); omit for a kernel that serves any length")
+
+    @model_serializer(mode="wrap")
+    def _omit_unbounded(self, handler):
+        """An unbounded kernel dumps as before the field existed: same JSON, hash and name."""
+        data = handler(self)
+        if data.get("max_seqlen_k") is None:
+            data.pop("max_seqlen_k", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -102,7 +114,8 @@ class KernelSpec(BaseModel):
         try:
             arch = Arch(data["arch"])
             head_dim = int(data["head_dim"])
-            row = resolve_tile(int(data["fa_version"]), arch, head_dim, bool(data.get("causal", False)))
+            row = resolve_tile(int(data["fa_version"]), arch, head_dim,
+                               bool(data.get("causal", False)), data.get("max_seqlen_k"))
         except (ValueError, TypeError, OverflowError) as exc:
             if "tile: auto" in str(exc):
                 raise ValueError(str(exc)) from None
@@ -165,12 +178,25 @@ class KernelSpec(BaseModel):
     @property
     def name(self) -> str:
         """The kernel symbol: unmangled, `extern "C"`, unique per canonical spec."""
+        bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
         return (
             f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
-            f"hd{self.head_dim}_{self.mask_name}_{self.tile.short}_{self.short_hash}"
+            f"hd{self.head_dim}_{self.mask_name}_{self.tile.short}{bound}_{self.short_hash}"
         )
 
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
         return f"{self.direction}/{self.dtype}/hd{self.head_dim}/{self.mask_name}"
+
+
+def auto_seqlen_bounds(fields: dict[str, Any]) -> list[int]:
+    """The extra seqlen_k bounds a `tile: auto` entry expands to (see tuning.seqlen_bounds);
+    none for an explicit tile or bound, or fields too malformed to ask (validation names them)."""
+    if fields.get("tile", "auto") != "auto" or "max_seqlen_k" in fields:
+        return []
+    try:
+        return seqlen_bounds(int(fields["fa_version"]), Arch(fields["arch"]),
+                             int(fields["head_dim"]), bool(fields.get("causal", False)))
+    except (KeyError, ValueError, TypeError, OverflowError):
+        return []

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from .model import KernelSpec
+from .model import KernelSpec, auto_seqlen_bounds
 
 _BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -64,6 +64,9 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
         fields = {**entry, **dict(zip(names, values))}
         try:
             out.specs.append(KernelSpec.model_validate(fields))
+            # `tile: auto` also builds the tuning table's kernels for short sequences.
+            for bound in auto_seqlen_bounds(fields):
+                out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
             why = _first_error(exc)
             if not list_fields:

@@ -3,6 +3,12 @@
 Each row: the head dims it covers, the tile, and why. Within a head-dim bucket the rows are
 tried in order and the first that fits the target's shared memory and registers wins, so a
 smaller-smem target (sm86/sm89/sm120: 99 KB) falls through to a smaller tile.
+
+A row may carry `max_seqlen_k`: the tile that measured best for calls with at most that many
+keys. `tile: auto` then yields one kernel per bound of the bucket (plus the unbounded one), and
+the runtime picks among a key's kernels by the call's seqlen_k (fagen.runtime.loader.select):
+the smallest bound that covers it, else the unbounded kernel. Bounds choose between correct
+kernels; they never make a call fail.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class TuningRow:
     exp2_emulation: float | None = None
     rescale_threshold: float | None = None
     causal: bool | None = None  # None: the row serves both masks
+    max_seqlen_k: int | None = None  # None: any seqlen_k not covered by a bounded row
 
     def tile_fields(self) -> dict:
         fields = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
@@ -72,36 +79,57 @@ TABLE: tuple[TuningRow, ...] = (
     # hide each tile's Q/K load latency behind the previous tile; under the causal mask they
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
     # of 2026-11-30 (runs 11, 13 and 15), ratios to cuDNN in the same run. ----
+    TuningRow(3, 64, 128, 128, 12, 2,
+              "short non-causal rows: 128-row tiles waste less of the last query block than "
+              "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
+              "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9)",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False,
+              max_seqlen_k=1024),
+    TuningRow(3, 64, 128, 128, 12, 2,
+              "causal up to 4k: 304/370/406 TFLOP/s at 1k/2k/4k (0.91/0.98/0.98x cuDNN) against "
+              "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
+              "that the overlap inside a warpgroup works (run 20, sweep9)",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
+              max_seqlen_k=4096),
     TuningRow(3, 64, 192, 128, 16, 2,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 regs) keep 12 "
               "consumer warps per SM busy where hd64's short MMAs leave 8 waiting on softmax; "
-              "persistent. Non-causal 0.92/1.00/1.00/1.01x cuDNN at 1k/2k/4k/8k, causal "
-              "0.77/0.86/0.97/0.99x, against 0.79/0.94/0.96/0.98x and 0.72/0.82/0.89/0.91x for "
-              "the earlier tiles (m192 non-persistent; m128n128 ping-pong non-persistent) in the "
-              "same run (run 15). The m128n128 ping-pong tile made persistent is ahead at 1k-2k "
-              "causal (0.87/0.90x) but flat at 0.90x from 4k on; 89 KB smem",
+              "persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
+              "(0.98/1.00/1.07x cuDNN) against 429/449/452 for m128n128; causal 8k 449 against "
+              "431; 89 KB smem",
               warp_specialized=True, intra_wg_overlap=True, persistent=True),
+    TuningRow(3, 128, 128, 128, 12, 2,
+              "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
+              "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "
+              "sweep9); 161 KB smem",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
+              causal=False, max_seqlen_k=1024),
     TuningRow(3, 128, 128, 160, 12, 2,
-              "non-causal: persistent 557/590 TFLOP/s at 2k/4k against 543/579 for the best "
-              "non-persistent tile (block_n 176, which spills 12 bytes when persistent); S 80 + "
+              "non-causal: persistent, ping-pong; 582/609/626 TFLOP/s at 2k/4k/8k (0.99/1.02/"
+              "1.03x cuDNN) against 558/575/611 without ping-pong and 539/582/616 for block_n 176 "
+              "non-persistent (which spills 12 bytes when persistent) in run 20 (sweep9); S 80 + "
               "O 64 + P 40 regs fit the 240 of a consumer; 193 KB smem",
               warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
               causal=False),
     TuningRow(3, 128, 128, 128, 12, 2,
-              "causal: block_n 176 wastes more of each diagonal block (499 vs 508 TFLOP/s); "
-              "persistent pairs 0.98/1.01x cuDNN at 2k/4k against 0.89/0.99x; 161 KB smem (Q 32 "
-              "KB + 2 stages x K,V 32 KB)",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True),
+              "causal: persistent pairs without ping-pong: 397/485/545/577 TFLOP/s at 1k-8k "
+              "(0.94/1.00/1.04/1.06x cuDNN) against 377/459/519/549 with it, 5% slower since the "
+              "softmax overlaps the warpgroup's own P V (run 20, sweep9); block_n 160 wastes more "
+              "of each diagonal block (437 at 2k); 161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True),
     TuningRow(3, 256, 128, 80, 12, 2,
               "non-causal: O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 "
               "(S 40 + P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "
-              "(629 vs 588 TFLOP/s at 4k); 225 KB smem. Not persistent: 0.89/0.90x cuDNN at "
-              "2k/4k against 0.93/0.97x. No ping-pong: equal speed (631 vs 629)",
-              warp_specialized=True, intra_wg_overlap=True, causal=False),
+              "(629 vs 588 TFLOP/s at 4k, run 6). Persistent with ping-pong: 549/619/666/698 "
+              "TFLOP/s at 1k-8k (0.91/0.98/1.00/1.05x cuDNN) against 529/586/651/679 for the "
+              "one-tile kernel without it (run 20, sweep9); 225 KB smem",
+              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
+              causal=False),
     TuningRow(3, 256, 128, 80, 12, 2,
-              "causal: block_n 80 as above; persistent pairs 0.97/1.03x cuDNN at 2k/4k against "
-              "0.90/0.95x. No ping-pong: with it the causal mask code spills 12 bytes",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True),
+              "causal: block_n 80 as above; persistent pairs 392/504/588/642 TFLOP/s at 1k-8k "
+              "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
+              "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation
@@ -123,11 +151,7 @@ TABLE: tuple[TuningRow, ...] = (
 )
 
 
-def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = False) -> TuningRow:
-    """The first row of this algorithm's head-dim bucket that fits `arch` and the mask.
-
-    Raises ValueError naming every row tried and why it was rejected.
-    """
+def _bucket_rows(fa_version: int, head_dim: int, causal: bool) -> list[TuningRow]:
     rows = [r for r in TABLE if r.fa_version == fa_version and head_dim <= r.max_head_dim
             and r.causal in (None, causal)]
     if not rows:
@@ -136,14 +160,38 @@ def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = Fals
             "give the tile explicitly"
         )
     bucket = min(r.max_head_dim for r in rows)
-    max_smem = ARCHS[arch].max_smem_per_block
+    return [r for r in rows if r.max_head_dim == bucket]
+
+
+def _fit_problems(row: TuningRow, fa_version: int, arch: Arch, head_dim: int) -> list[str]:
+    tile = SimpleNamespace(**{"warp_specialized": False, "pingpong": False,
+                              "intra_wg_overlap": False, "persistent": False,
+                              **row.tile_fields()})
+    geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, tile)
+    return geometry.problems(ARCHS[arch].max_smem_per_block)
+
+
+def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | None:
+    """The bound whose rows serve calls of up to `max_seqlen_k` keys: the smallest bound that
+    covers it, else None (the unbounded rows). The runtime applies the same rule to kernels."""
+    if max_seqlen_k is None:
+        return None
+    covering = [b for b in bounds if b is not None and b >= max_seqlen_k]
+    return min(covering) if covering else None
+
+
+def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = False,
+                 max_seqlen_k: int | None = None) -> TuningRow:
+    """The first row of this algorithm's head-dim bucket that fits `arch` and the mask, among
+    the rows that serve calls of up to `max_seqlen_k` keys (None: the unbounded rows).
+
+    Raises ValueError naming every row tried and why it was rejected.
+    """
+    rows = _bucket_rows(fa_version, head_dim, causal)
+    bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
-    for row in (r for r in rows if r.max_head_dim == bucket):
-        tile = SimpleNamespace(**{"warp_specialized": False, "pingpong": False,
-                                  "intra_wg_overlap": False, "persistent": False,
-                                  **row.tile_fields()})
-        geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, tile)
-        problems = geometry.problems(max_smem)
+    for row in (r for r in rows if r.max_seqlen_k == bound):
+        problems = _fit_problems(row, fa_version, arch, head_dim)
         if not problems:
             return row
         tried.append(f"m{row.block_m}n{row.block_n}w{row.warps}s{row.stages}: {'; '.join(problems)}")
@@ -151,3 +199,17 @@ def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = Fals
         f"tile: auto found no fitting tile for fa_version={fa_version}, arch={arch.value}, "
         f"head_dim={head_dim}: " + " | ".join(tried)
     )
+
+
+def seqlen_bounds(fa_version: int, arch: Arch, head_dim: int, causal: bool = False) -> list[int]:
+    """The seqlen_k bounds `tile: auto` builds extra kernels for on this target, ascending:
+    those with a fitting row whose tile differs from the unbounded choice."""
+    rows = _bucket_rows(fa_version, head_dim, causal)
+    general = resolve_tile(fa_version, arch, head_dim, causal)
+    bounds = []
+    for bound in sorted({r.max_seqlen_k for r in rows} - {None}):
+        fitting = [r for r in rows if r.max_seqlen_k == bound
+                   and not _fit_problems(r, fa_version, arch, head_dim)]
+        if fitting and fitting[0].tile_fields() != general.tile_fields():
+            bounds.append(bound)
+    return bounds

@@ -245,7 +245,7 @@ def _flash_attn_fwd(
     seqlen_k = k.shape[1]
     kernels = get_bundle(bundle)
     entry = kernels.select(
-        kernel_key(q.dtype, head_dim, causal), torch.cuda.get_device_capability(q.device)
+        kernel_key(q.dtype, head_dim, causal), torch.cuda.get_device_capability(q.device), seqlen_k
     )
     out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)

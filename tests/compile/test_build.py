@@ -16,7 +16,9 @@ from fagen.bundle.writer import build_bundle
 from fagen.cli import main
 from fagen.codegen import RenderedKernel
 from fagen.compiler import CompileError
+from fagen.compiler.sass import disassemble
 from fagen.spec import algorithm_for, expand, load_spec_file
+from fagen.spec.specfile import Expansion
 
 JOBS = os.cpu_count() or 1
 
@@ -185,3 +187,34 @@ def test_fa3_without_warp_specialization_builds(kernel_cache, tmp_path):
     report = build_bundle(expansion, tmp_path / "no-ws", jobs=JOBS, cache_dir=kernel_cache)
     (entry,) = report.manifest.kernels
     assert {"HGMMA", "UTMALDG"} <= set(entry.sass) and entry.resources.spill_bytes == 0
+
+
+def _exp2_between_mma_waits(sass: str) -> list[int]:
+    """For each `wait_group 1` -> `wait_group 0` stretch of the SASS, the MUFU.EX2 inside it."""
+    counts, inside = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = 0
+        elif inside is not None and "MUFU.EX2" in line:
+            inside += 1
+        elif inside is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(inside)
+            inside = None
+    return counts
+
+
+def test_fa3_softmax_overlaps_the_previous_pv(kernel_cache, tmp_path):
+    # Intra-warpgroup overlap only exists if ptxas leaves the softmax of block j between the
+    # wait for Q K_j^T (wait_group 1) and the wait for P_{j-1} V_{j-1} (wait_group 0). ptxas
+    # hoists the second wait to the top of its basic block; until the V wait moved in front of
+    # it, every shipped FA3 kernel ran its whole softmax after it (0 exp2 in the stretch).
+    expansion = load_spec_file(paths.specs_dir() / "hopper.yaml")
+    bf16_fa3 = [s for s in expansion.specs if s.fa_version == 3 and s.dtype == "bf16"]
+    report = build_bundle(Expansion("hopper-bf16", bf16_fa3), tmp_path / "hopper", jobs=JOBS,
+                          cache_dir=kernel_cache)
+    assert len(report.manifest.kernels) == len(bf16_fa3) >= 6
+    for entry in report.manifest.kernels:
+        sass = disassemble(read_verified_cubin(tmp_path / "hopper", entry))
+        exp2_per_thread = entry.spec["tile"]["block_n"] // 2  # 64 x block_n scores, 128 threads
+        stretches = _exp2_between_mma_waits(sass)
+        assert stretches and min(stretches) >= exp2_per_thread, (entry.name, stretches)

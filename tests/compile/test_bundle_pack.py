@@ -12,7 +12,7 @@ import pytest
 
 import fagen
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
-from fagen.bundle.format import BundleError, read_verified_cubin
+from fagen.bundle.format import BundleError, read_manifest, read_verified_cubin
 from fagen.bundle.pack import CHECKSUMS_NAME, pack_bundle
 from fagen.cli import main as cli
 
@@ -116,7 +116,8 @@ def verify(path, capsys) -> tuple[int, str]:
 def test_verify_good_bundle_and_pack(bundle_dir, tmp_path, capsys):
     code, text = verify(bundle_dir, capsys)
     assert code == 0, text
-    assert "all 6 checks passed" in text and "nvrtc" in text
+    checks = len(read_manifest(bundle_dir).kernels) + 3  # + manifest, index.h, params.h
+    assert f"all {checks} checks passed" in text and "nvrtc" in text
     assert cli(["pack", str(bundle_dir), "-o", str(tmp_path / "ci-small.tar.gz")]) == 0
     code, text = verify(tmp_path / "ci-small.tar.gz", capsys)
     assert code == 0, text
@@ -128,7 +129,8 @@ def test_verify_tampered_cubin(bundle_dir, tmp_path, capsys):
     cubin = tamper_cubin(tampered)
     code, text = verify(tampered, capsys)
     assert code == 1
-    assert f"FAIL {cubin.relative_to(tampered).as_posix()}" in text and "1 of 6 checks failed" in text
+    checks = len(read_manifest(tampered).kernels) + 3
+    assert f"FAIL {cubin.relative_to(tampered).as_posix()}" in text and f"1 of {checks} checks failed" in text
 
 
 def test_verify_other_abi(bundle_dir, tmp_path, capsys):
@@ -142,7 +144,9 @@ def test_verify_other_abi(bundle_dir, tmp_path, capsys):
 def test_verify_index_out_of_step_with_manifest(bundle_dir, tmp_path, capsys):
     edited = copy_bundle(bundle_dir, tmp_path / "edited")
     index = edited / "include/fagen/index.h"
-    index.write_text(index.read_text().replace(", 2},\n", ", 3},\n", 1))
+    text = index.read_text()
+    assert ", 2, 0},\n" in text  # fa_version, max_seqlen_k of an FA2 row
+    index.write_text(text.replace(", 2, 0},\n", ", 3, 0},\n", 1))
     code, text = verify(edited, capsys)
     assert code == 1
     assert "FAIL include/fagen/index.h: does not match the manifest" in text

@@ -17,7 +17,7 @@ import pytest
 
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
 from fagen.bundle.cindex import INDEX_HEADER, render_index_header
-from fagen.bundle.format import MANIFEST_NAME, Manifest
+from fagen.bundle.format import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from fagen.runtime.loader import KernelNotFound, select
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,10 +167,12 @@ def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):
 def test_cpp_refuses_newer_schema(open_bundle, ci_small, tmp_path):
     newer = copy_bundle(ci_small[0], tmp_path / "newer")
     index = newer / INDEX_HEADER
-    index.write_text(index.read_text().replace("#define FAGEN_BUNDLE_SCHEMA_VERSION 1", "#define FAGEN_BUNDLE_SCHEMA_VERSION 7"))
+    current = f"#define FAGEN_BUNDLE_SCHEMA_VERSION {SCHEMA_VERSION}"
+    assert current in index.read_text()
+    index.write_text(index.read_text().replace(current, "#define FAGEN_BUNDLE_SCHEMA_VERSION 7"))
     result = run(open_bundle, newer)
     assert result.returncode == 1
-    assert "schema_version 7, newer than this fagen.hpp reads (up to 1)" in result.stderr
+    assert f"schema_version 7, newer than this fagen.hpp reads (up to {SCHEMA_VERSION})" in result.stderr
 
 
 def test_cpp_refuses_a_bundle_it_was_not_compiled_against(open_bundle, ci_small, tmp_path):
@@ -196,11 +198,13 @@ def test_headers_mixing_two_abis_do_not_compile(ci_small, cuda_include, tmp_path
 @pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)], ids=lambda cc: f"cc{cc[0]}{cc[1]}")
 def test_cpp_selection_matches_python(open_bundle, ci_small, cc):
     entries = ci_small[1].manifest.kernels
+    assert any(e.max_seqlen_k for e in entries), "ci-small lost its seqlen-bounded kernel"
     for key in sorted({e.key for e in entries}):
-        try:
-            expected = select(entries, key, cc).name
-        except KernelNotFound:
-            expected = "none"
-        result = run(open_bundle, ci_small[0], key, *cc)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == expected, (key, cc)
+        for seqlen_k in (None, 1, 512, 513):
+            try:
+                expected = select(entries, key, cc, seqlen_k).name
+            except KernelNotFound:
+                expected = "none"
+            result = run(open_bundle, ci_small[0], key, *cc, *([] if seqlen_k is None else [seqlen_k]))
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.strip() == expected, (key, cc, seqlen_k)

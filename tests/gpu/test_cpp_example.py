@@ -101,7 +101,8 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         dump = tmp_path / key.replace("/", "_") / "x".join(map(str, size))
         dump.mkdir(parents=True)
         problem = run_example(example, key, size, seed, dump)
-        assert problem["kernel"] == bundle.select(key, cc).name, "C++ and Python selected different kernels"
+        selected = bundle.select(key, cc, problem["seqlen_k"])
+        assert problem["kernel"] == selected.name, "C++ and Python selected different kernels"
 
         dtype = DTYPES[problem["dtype"]]
         batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]

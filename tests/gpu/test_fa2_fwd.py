@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import attention_math  # noqa: E402
+from fagen.runtime.loader import runs_on  # noqa: E402
 from fagen.torch import KernelNotFound, flash_attn_func, kernel_key  # noqa: E402
 
 pytestmark = [
@@ -23,6 +24,7 @@ pytestmark = [
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (torch.float16, torch.bfloat16)
+DTYPE_BY_NAME = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (batch, seqlen_q, seqlen_k): seqlen 1, odd sizes, seqlen_q != seqlen_k in both directions
 # (causal with seqlen_q > seqlen_k has rows that see no key), one query against many keys.
 SIZES = ((1, 1, 1), (2, 17, 17), (1, 1000, 1000), (2, 128, 300), (2, 300, 128), (1, 1, 1000))
@@ -118,6 +120,41 @@ def test_matches_reference(bundle, head_dim, dtype, causal, size):
 @pytest.mark.parametrize("head_dim", (128, 256))
 def test_long_sequence(bundle, head_dim, dtype, causal):
     check_case(bundle, *LONG_SIZE, 2, 2, head_dim, dtype, causal)
+
+
+def runnable_entries(bundle):
+    cc = torch.cuda.get_device_capability()
+    return [e for e in bundle.kernels if e.key.startswith("fwd/") and runs_on(e, cc)]
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): GQA, rows that see no key under the causal
+# mask, many keys per query block.
+EVERY_KERNEL_SIZES = ((2, 300, 300, 4, 2), (1, 1000, 257, 3, 3), (2, 257, 1000, 3, 3))
+
+
+@pytest.mark.parametrize("size", EVERY_KERNEL_SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_every_kernel_of_the_bundle(bundle, size):
+    # Launched directly, not through selection: a key's kernels for short sequences
+    # (max_seqlen_k) and its unbounded kernel each run at every size here.
+    from fagen.torch.adapter import prepare_launch
+
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = size
+    entries = runnable_entries(bundle)
+    if not entries:
+        pytest.skip("the bundle has no forward kernel for this device")
+    for entry in entries:
+        _, dtype_name, head_dim, mask = entry.key.split("/")
+        dtype, head_dim, causal = DTYPE_BY_NAME[dtype_name], int(head_dim[2:]), mask == "causal"
+        torch.manual_seed(seqlen_q + head_dim)
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+        out = torch.full((batch, seqlen_q, heads_q, head_dim), math.nan, dtype=dtype, device="cuda")
+        lse = torch.full((batch, heads_q, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
+        prepare_launch(bundle, entry, q, k, v, out, lse, 1.0 / math.sqrt(head_dim))()
+        torch.cuda.synchronize()
+        try:
+            assert_close_to_reference(out, lse, q, k, v, causal)
+        except AssertionError as exc:
+            raise AssertionError(f"{entry.name}: {exc}") from None
 
 
 @pytest.mark.parametrize("heads", ((8, 1), (8, 4)), ids=("mqa8to1", "gqa2to1"))

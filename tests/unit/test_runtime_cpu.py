@@ -25,9 +25,11 @@ ARCHS = {
 }
 
 
-def kernel_entry(arch: str, key: str, fa_version: int = 2, cubin_bytes: bytes | None = None) -> dict:
+def kernel_entry(arch: str, key: str, fa_version: int = 2, cubin_bytes: bytes | None = None,
+                 max_seqlen_k: int | None = None) -> dict:
     direction, dtype, head_dim, mask = key.split("/")
-    name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}_test"
+    bound = "" if max_seqlen_k is None else f"_upto{max_seqlen_k}"
+    name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}{bound}_test"
     data = cubin_bytes if cubin_bytes is not None else f"cubin of {name}".encode()
     cc, arch_specific = ARCHS[arch]
     return {
@@ -45,6 +47,7 @@ def kernel_entry(arch: str, key: str, fa_version: int = 2, cubin_bytes: bytes | 
         "launch": {"threads": 128, "block_m": 128, "dynamic_smem": 65536},
         "resources": {"registers": 200, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0},
         "sass": ["HMMA"],
+        "max_seqlen_k": max_seqlen_k,
     }
 
 
@@ -94,6 +97,38 @@ def test_plain_cubin_runs_on_later_minor_only(hopper_bundle):
 def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):
     bundle = load(write_bundle(tmp_path / "b", [kernel_entry("sm80", KEY), kernel_entry("sm90", KEY)]))
     assert bundle.select(KEY, (9, 0)).arch == "sm90"
+
+
+def test_seqlen_bounds_pick_the_tightest_covering_kernel(tmp_path):
+    bundle = load(write_bundle(tmp_path / "b", [
+        kernel_entry("sm90a", KEY, fa_version=3),
+        kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=1024),
+        kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=4096),
+        kernel_entry("sm90", KEY, max_seqlen_k=100000),  # another family: never a candidate
+    ]))
+    bound_of = {1: 1024, 1024: 1024, 1025: 4096, 4096: 4096, 4097: None, 10**6: None}
+    for seqlen_k, bound in bound_of.items():
+        chosen = bundle.select(KEY, (9, 0), seqlen_k)
+        assert (chosen.arch, chosen.max_seqlen_k) == ("sm90a", bound), seqlen_k
+    assert bundle.select(KEY, (9, 0)).max_seqlen_k is None  # length unknown: the unbounded one
+
+
+def test_only_bounded_kernels_still_serve_every_length(tmp_path):
+    # A bound is a preference, not a limit: past every bound the loosest one runs.
+    bundle = load(write_bundle(tmp_path / "b", [
+        kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=512),
+        kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=2048),
+    ]))
+    assert bundle.select(KEY, (9, 0), 100).max_seqlen_k == 512
+    assert bundle.select(KEY, (9, 0), 600).max_seqlen_k == 2048
+    assert bundle.select(KEY, (9, 0), 10**6).max_seqlen_k == 2048
+
+
+def test_schema_1_manifests_read_as_unbounded(tmp_path):
+    entry = kernel_entry("sm90a", KEY, fa_version=3)
+    del entry["max_seqlen_k"]
+    bundle = load(write_bundle(tmp_path / "b", [entry], schema_version=1))
+    assert bundle.select(KEY, (9, 0), 64).max_seqlen_k is None
 
 
 def test_runs_on_rules(hopper_bundle):

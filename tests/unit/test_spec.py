@@ -136,6 +136,40 @@ def test_auto_tile_falls_back_on_small_shared_memory_parts():
         assert spec(head_dim=head_dim, arch="sm86").geometry.smem_bytes <= 99 * 1024
 
 
+def test_auto_tile_adds_the_tuning_tables_short_sequence_kernels():
+    expansion = expand({"bundle": "t", "kernels": [
+        {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True}]})
+    by_bound = {s.max_seqlen_k: s for s in expansion.specs}
+    rows = [r for r in TABLE if r.fa_version == 3 and r.max_head_dim == 64 and r.causal in (None, True)]
+    assert set(by_bound) == {r.max_seqlen_k for r in rows}
+    for row in rows:
+        tile = by_bound[row.max_seqlen_k].tile
+        assert (tile.block_m, tile.block_n) == (row.block_m, row.block_n)
+    bound = min(b for b in by_bound if b is not None)
+    assert by_bound[bound].name.split("_")[-2] == f"upto{bound}"
+    assert "max_seqlen_k" not in by_bound[None].canonical_json()  # unbounded names unchanged
+
+
+def test_explicit_tile_or_bound_builds_one_kernel():
+    entry = {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True}
+    explicit_tile = expand({"bundle": "t", "kernels": [
+        {**entry, "tile": {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2,
+                           "warp_specialized": True, "intra_wg_overlap": True}}]})
+    assert [s.max_seqlen_k for s in explicit_tile.specs] == [None]
+    # An explicit bound with `tile: auto` takes the table's tile for that length.
+    (short,) = expand({"bundle": "t", "kernels": [{**entry, "max_seqlen_k": 300}]}).specs
+    row = min((r for r in TABLE if r.fa_version == 3 and r.max_head_dim == 64 and r.causal is True
+               and r.max_seqlen_k is not None), key=lambda r: r.max_seqlen_k)
+    assert short.max_seqlen_k == 300 and (short.tile.block_m, short.tile.block_n) == (row.block_m, row.block_n)
+
+
+def test_a_rejected_combination_is_skipped_once_with_its_bounds():
+    expansion = expand({"bundle": "t", "kernels": [
+        {"fa_version": 3, "arch": ["sm80", "sm90a"], "dtype": "bf16", "head_dim": 64, "causal": True}]})
+    assert len(expansion.skipped) == 1 and expansion.skipped[0][1]["arch"] == "sm80"
+    assert {s.arch.value for s in expansion.specs} == {"sm90a"} and len(expansion.specs) > 1
+
+
 def test_product_expands_and_reports_skips():
     expansion = expand({
         "bundle": "t",

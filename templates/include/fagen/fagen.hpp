@@ -46,7 +46,7 @@
 namespace fagen {
 
 // Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;  // 2: index.h rows carry max_seqlen_k
 constexpr int kAbiVersion = FAGEN_ABI_VERSION;
 
 class [[nodiscard]] Status {
@@ -348,9 +348,22 @@ inline bool runs_on(const FagenKernelInfo& info, int cc_major, int cc_minor) {
 }
 
 // Newer algorithm first, then the closest (highest) compute capability, then the "a" build.
-inline bool preferred_over(const FagenKernelInfo& a, const FagenKernelInfo& b) {
-    return std::make_tuple(a.fa_version, a.cc_major, a.cc_minor, a.arch_specific) >
-           std::make_tuple(b.fa_version, b.cc_major, b.cc_minor, b.arch_specific);
+inline std::tuple<int, int, int, int> family_rank(const FagenKernelInfo& info) {
+    return std::make_tuple(info.fa_version, info.cc_major, info.cc_minor, info.arch_specific);
+}
+
+// Within a family, larger is better: a seqlen_k bound that covers the call (the tightest
+// first), then an unbounded kernel, then a bound below the call (the loosest first; every
+// kernel is correct at any length). seqlen_k <= 0: length unknown, longer than any bound.
+inline std::pair<int, long long> seqlen_fit(const FagenKernelInfo& info, long long seqlen_k) {
+    if (info.max_seqlen_k <= 0) return {1, 0};
+    if (seqlen_k > 0 && info.max_seqlen_k >= seqlen_k) return {2, -static_cast<long long>(info.max_seqlen_k)};
+    return {0, info.max_seqlen_k};
+}
+
+inline bool preferred_over(const FagenKernelInfo& a, const FagenKernelInfo& b, long long seqlen_k) {
+    if (family_rank(a) != family_rank(b)) return family_rank(a) > family_rank(b);
+    return seqlen_fit(a, seqlen_k) > seqlen_fit(b, seqlen_k);
 }
 
 enum class DType { fp16, bf16 };
@@ -491,12 +504,15 @@ public:
         return Status();
     }
 
-    // The best kernel for `key` on a device of compute capability cc_major.cc_minor (rules of
-    // runs_on/preferred_over); the error says what the bundle holds and how to add the kernel.
-    Result<const FagenKernelInfo*> select(const std::string& key, int cc_major, int cc_minor) const {
+    // The best kernel for `key` on a device of compute capability cc_major.cc_minor, for calls
+    // with `seqlen_k` keys (0: unknown) (rules of runs_on/preferred_over); the error says what
+    // the bundle holds and how to add the kernel.
+    Result<const FagenKernelInfo*> select(const std::string& key, int cc_major, int cc_minor,
+                                          long long seqlen_k = 0) const {
         const FagenKernelInfo* best = nullptr;
         for (const FagenKernelInfo& info : fagen_kernels) {
-            if (key == info.key && runs_on(info, cc_major, cc_minor) && (best == nullptr || preferred_over(info, *best))) {
+            if (key == info.key && runs_on(info, cc_major, cc_minor) &&
+                (best == nullptr || preferred_over(info, *best, seqlen_k))) {
                 best = &info;
             }
         }
@@ -513,10 +529,10 @@ public:
         return Status::error(message);
     }
 
-    // The loaded kernel for `key` on the current context's device (device 0 if none is current),
-    // with its dynamic shared-memory limit raised on that device. Loads and verifies the cubin
-    // on first use; thread-safe.
-    Result<const Kernel*> kernel(const std::string& key) {
+    // The loaded kernel for `key` and calls with `seqlen_k` keys (0: unknown) on the current
+    // context's device (device 0 if none is current), with its dynamic shared-memory limit raised
+    // on that device. Loads and verifies the cubin on first use; thread-safe.
+    Result<const Kernel*> kernel(const std::string& key, long long seqlen_k = 0) {
         auto d = driver();
         if (!d.ok()) return d.status();
         const Driver& cu = *d.value();
@@ -529,7 +545,7 @@ public:
         if (Status s = cu.check(cu.device_get_attribute(&cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device.value()),
                                 "cuDeviceGetAttribute");
             !s.ok()) return s;
-        auto info = select(key, cc_major, cc_minor);
+        auto info = select(key, cc_major, cc_minor, seqlen_k);
         if (!info.ok()) return info.status();
 
         std::lock_guard<std::mutex> lock(state_->mutex);
@@ -563,7 +579,7 @@ public:
         if (a.heads_q > 65535 || a.batch > 65535) {
             return Status::error("fagen: heads_q and batch must each be at most 65535 (CUDA grid limit)");
         }
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal));
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 

@@ -202,6 +202,18 @@ struct Forward {
             for (int i = 0; i < 4; ++i) ptx::fence_operand(acc[n][i]);
     }
 
+    // O *= the previous softmax's rescale factors, between issuing Q K_j^T and P_{j-1} V_{j-1}
+    // (FlashAttention-3's order): the multiplies run while the tensor cores work on Q K_j^T
+    // instead of in the gap between P_{j-2} V_{j-2} and the next issue. O is complete here
+    // (P_{j-2} V_{j-2} was waited for) and is fenced again before P V reads it.
+    static __device__ __forceinline__ void rescale_under_mma(float (&acc_o)[1][kOTiles][4],
+                                                             const float (&rescale)[1][2]) {
+        fence_accumulators(acc_o[0]);
+        algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
+        fence_accumulators(acc_o[0]);
+        ptx::wgmma_fence();
+    }
+
     // P (probabilities in the S accumulator layout) as k16 A fragments of P V.
     static __device__ __forceinline__ void convert_p(const float (&acc_s)[kSTiles][4],
                                                      uint32_t (&p)[kPSteps][4]) {
@@ -270,6 +282,13 @@ struct Forward {
         if constexpr (Config::kIntraWarpgroupOverlap) {
             // Software pipeline: iteration j issues Q K_j and P_{j-1} V_{j-1} back to back, then
             // runs the softmax of block j while P_{j-1} V_{j-1} is still on the tensor cores.
+            //
+            // V_j is waited for right after the softmax that made P_j, before the wait for
+            // P_{j-1} V_{j-1}. Besides being the last moment it is needed by, that wait loop ends
+            // the basic block: ptxas schedules wgmma.wait_group as early as its block allows,
+            // and in the same block as the softmax it went ahead of all of it (SASS of hd128
+            // m128n160: the wait right before the first row-max instruction, no exp2 under
+            // the P V), which left the overlap on paper only.
             ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
             wait_turn(consumer);
             ptx::wgmma_fence();
@@ -278,7 +297,8 @@ struct Forward {
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_s[0]);
             release_k(0);
-            scores(0, false);
+            scores(0, true);
+            ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
             convert_p(acc_s[0], p);
             for (int j = 1; j < w.n_blocks; ++j) {
                 // Slot (j-2) % kStages is free: K_{j-2} and V_{j-2} were released last iteration.
@@ -287,27 +307,24 @@ struct Forward {
                 }
                 __syncwarp();
                 ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
-                ptx::mbarrier_wait_parity(s.v_full(slot_of(j - 1)), parity_of(j - 1));
                 wait_turn(consumer);
-                fence_accumulators(acc_o[0]);
                 ptx::wgmma_fence();
                 issue_qk(acc_s[0], desc, slot_of(j));
+                rescale_under_mma(acc_o, rescale);
                 issue_pv(acc_o[0], p, desc, slot_of(j - 1));
                 pass_turn(consumer);
                 ptx::wgmma_wait_group<1>();
                 fence_accumulators(acc_s[0]);
                 release_k(j);
                 scores(j, true);
+                ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_o[0]);
                 ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
-                algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
                 convert_p(acc_s[0], p);
             }
             const int last = w.n_blocks - 1;
-            ptx::mbarrier_wait_parity(s.v_full(slot_of(last)), parity_of(last));
-            fence_accumulators(acc_o[0]);
-            ptx::wgmma_fence();
+            rescale_under_mma(acc_o, rescale);
             issue_pv(acc_o[0], p, desc, slot_of(last));
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_o[0]);
