@@ -33,6 +33,7 @@ def render_index_header(manifest: Manifest) -> str:
             str(int(k.arch_specific)), _c_string(k.cubin), _c_string(k.sha256), f"{k.size}ull",
             str(k.launch.threads), str(k.launch.block_m), str(k.launch.dynamic_smem),
             str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(int(k.launch.persistent)),
+            str(k.launch.ctas_per_sm),
             str(k.fa_version), str(k.max_seqlen_k or 0),
         ]
         rows.append("    {" + ", ".join(fields) + "},")
@@ -53,7 +54,7 @@ def render_index_header(manifest: Manifest) -> str:
         f"#define FAGEN_KERNEL_COUNT {len(manifest.kernels)}",
         "",
         "/* One row per kernel; grid = (ceil(seqlen_q / block_m), heads_q, batch), block = threads;",
-        "   persistent kernels: grid = (min(query blocks * heads_q * batch, SMs), 1, 1). */",
+        "   persistent kernels: grid = (min(query blocks * heads_q * batch, SMs * ctas_per_sm), 1, 1). */",
         "typedef struct FagenKernelInfo {",
         "    const char* name;          /* extern \"C\" symbol in the cubin */",
         "    const char* key;           /* lookup key, e.g. \"fwd/bf16/hd128/causal\" */",
@@ -70,7 +71,8 @@ def render_index_header(manifest: Manifest) -> str:
         "    int tma_q_rows;            /* > 0: the kernel takes FagenTmaMaps (params.h) as a 2nd",
         "                                  parameter; box rows of the Q map */",
         "    int tma_kv_rows;           /* box rows of the K and V maps */",
-        "    int persistent;            /* 1: one CTA per SM walks the tiles (grid above) */",
+        "    int persistent;            /* 1: resident CTAs walk the tiles (grid above) */",
+        "    int ctas_per_sm;           /* CTAs per SM the kernel was compiled to keep resident */",
         "    int fa_version;            /* selection prefers the highest that runs on the device */",
         "    int max_seqlen_k;          /* > 0: preferred for calls with at most this many keys;",
         "                                  0: any length (fagen.hpp: select) */",

@@ -21,7 +21,8 @@ from pathlib import Path
 from .. import abi
 from .._version import __version__
 
-# 2: kernels carry max_seqlen_k (a seqlen_k bound the runtime selects by; null = unbounded).
+# 2: kernels carry max_seqlen_k (a seqlen_k bound the runtime selects by; null = unbounded) and
+#    launch.ctas_per_sm (persistent grids are that many CTAs per SM).
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
@@ -39,8 +40,11 @@ class Launch:
     # (64 columns, 128-byte swizzle). 0 = no TMA parameter.
     tma_q_rows: int = 0
     tma_kv_rows: int = 0
-    # Persistent kernels: grid = (min(tiles, SMs), 1, 1), tiles = query blocks x heads x batch.
+    # Persistent kernels: grid = (min(tiles, SMs x ctas_per_sm), 1, 1), tiles = query blocks x
+    # heads x batch.
     persistent: bool = False
+    # CTAs resident per SM the kernel was compiled for (schema 1: always 1).
+    ctas_per_sm: int = 1
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,11 @@ class LaunchInfo:
     dynamic_smem: int
     tma_q_rows: int = 0
     tma_kv_rows: int = 0
-    # Persistent kernels take grid (min(tiles, SMs), 1, 1) and walk the tiles themselves.
+    # Persistent kernels take grid (min(tiles, SMs x ctas_per_sm), 1, 1) and walk the tiles
+    # themselves.
     persistent: bool = False
+    # CTAs the kernel is compiled to keep resident per SM (__launch_bounds__ min blocks).
+    ctas_per_sm: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +50,7 @@ def launch_info(spec: KernelSpec) -> LaunchInfo:
         tma_q_rows=g.block_m if uses_tma else 0,
         tma_kv_rows=g.block_n if uses_tma else 0,
         persistent=bool(getattr(g, "persistent", False)),
+        ctas_per_sm=getattr(g, "ctas_per_sm", 1),
     )
 
 
@@ -89,6 +93,7 @@ def _fa3_context(spec: KernelSpec) -> dict:
         "persistent": g.persistent,
         "producer_registers": PRODUCER_REGISTERS,
         "consumer_registers": g.consumer_registers,
+        "ctas_per_sm": g.ctas_per_sm,
         **_tma_ring_offsets(g),
     }
 

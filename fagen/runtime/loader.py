@@ -19,10 +19,11 @@ from . import driver
 
 def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int) -> tuple[int, int, int]:
     """The grid for a launch of `entry`: (query blocks, heads, batch), or for a persistent
-    kernel one CTA per SM, up to the number of tiles."""
+    kernel ctas_per_sm CTAs per SM, up to the number of tiles."""
     m_blocks = -(-seqlen_q // entry.launch.block_m)
     if entry.launch.persistent:
-        return (min(m_blocks * heads_q * batch, driver.multiprocessor_count(device)), 1, 1)
+        resident = driver.multiprocessor_count(device) * entry.launch.ctas_per_sm
+        return (min(m_blocks * heads_q * batch, resident), 1, 1)
     return (m_blocks, heads_q, batch)
 
 

@@ -25,6 +25,10 @@ SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
 # Registers of a consumer thread beyond S, O and P: softmax state, descriptors, loop state.
 # 32: hd64 m192n128 (S 64 + O 32 + P 32 = 128) compiles without spills under setmaxnreg 160.
 REGISTER_OVERHEAD = 32
+# Hopper (sm_90): 228 KB of shared memory per SM, of which each resident CTA reserves 1 KB
+# (CUDA C Programming Guide, compute capability 9.0 and "Shared Memory").
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
 MBARRIERS_PER_STAGE = 4  # k_full, k_empty, v_full, v_empty
 MBARRIERS_FOR_Q = 2  # q_full, q_empty
 
@@ -51,11 +55,21 @@ class Fa3Geometry(TmaRingLayout):
         return self.smem_barrier_offset + barriers + SWIZZLE_ATOM_BYTES
 
     @property
+    def ctas_per_sm(self) -> int:
+        """Two CTAs per SM for warp-specialized tiles with one consumer warpgroup (64 query rows)
+        whose shared memory allows it: each CTA then has the register file half of a
+        two-consumer CTA, and the two CTAs' tile boundaries (first Q K^T, last P V, epilogue)
+        fall at different times, so one CTA's MMAs fill the other's gaps."""
+        two_fit = 2 * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM
+        return 2 if self.consumers == 1 and self.warp_specialized and two_fit else 1
+
+    @property
     def consumer_registers(self) -> int:
+        registers_per_cta = REGISTERS_PER_SM // self.ctas_per_sm
         if not self.warp_specialized:
-            per_thread = REGISTERS_PER_SM // (128 * self.consumers)
+            per_thread = registers_per_cta // (128 * self.consumers)
             return min(MAX_REGISTERS_PER_THREAD, per_thread)
-        share = (REGISTERS_PER_SM // 128 - PRODUCER_REGISTERS) // self.consumers
+        share = (registers_per_cta // 128 - PRODUCER_REGISTERS) // self.consumers
         return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
 
     @property

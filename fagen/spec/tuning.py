@@ -82,7 +82,9 @@ TABLE: tuple[TuningRow, ...] = (
     TuningRow(3, 64, 128, 128, 12, 2,
               "short non-causal rows: 128-row tiles waste less of the last query block than "
               "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
-              "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9)",
+              "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9). "
+              "64-row tiles with two CTAs per SM measured below it at 512-4k (338 vs 350 at 512, "
+              "run 23, sweep11)",
               warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False,
               max_seqlen_k=1024),
     TuningRow(3, 64, 128, 128, 12, 2,
@@ -125,6 +127,12 @@ TABLE: tuple[TuningRow, ...] = (
               "one-tile kernel without it (run 20, sweep9); 225 KB smem",
               warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
               causal=False),
+    TuningRow(3, 256, 128, 64, 12, 2,
+              "causal up to 512 keys: a 512-key row is 8 blocks of 64 (the diagonal ones wasting "
+              "less) against 6.4 of 80; 274/269 TFLOP/s against 259/260 for block_n 80 (runs 22 "
+              "and 23, sweep10/11; equal at 1k); 193 KB smem",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
+              max_seqlen_k=512),
     TuningRow(3, 256, 128, 80, 12, 2,
               "causal: block_n 80 as above; persistent pairs 392/504/588/642 TFLOP/s at 1k-8k "
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "

@@ -131,6 +131,23 @@ def test_schema_1_manifests_read_as_unbounded(tmp_path):
     assert bundle.select(KEY, (9, 0), 64).max_seqlen_k is None
 
 
+def test_persistent_grid_has_ctas_per_sm_ctas_per_sm(tmp_path, monkeypatch):
+    from fagen.runtime import driver, loader
+
+    monkeypatch.setattr(driver, "multiprocessor_count", lambda device: 132)
+    entries = []
+    for ctas in (1, 2):
+        entry = kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=ctas)
+        entry["launch"] = {**entry["launch"], "block_m": 64, "persistent": True, "ctas_per_sm": ctas}
+        entries.append(entry)
+    bundle = load(write_bundle(tmp_path / "b", entries))
+    one, two = sorted(bundle.kernels, key=lambda e: e.launch.ctas_per_sm)
+    # seqlen 4096, 16 heads, batch 4: 64 x 16 x 4 = 4096 tiles.
+    assert loader.launch_grid(one, 4096, 16, 4, 0) == (132, 1, 1)
+    assert loader.launch_grid(two, 4096, 16, 4, 0) == (264, 1, 1)
+    assert loader.launch_grid(two, 64, 2, 1, 0) == (2, 1, 1)  # never more CTAs than tiles
+
+
 def test_runs_on_rules(hopper_bundle):
     by_arch = {e.arch: e for e in hopper_bundle.kernels if e.key == KEY}
     assert runs_on(by_arch["sm80"], (8, 6))

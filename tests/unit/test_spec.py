@@ -232,6 +232,20 @@ def test_fa3_three_consumer_warpgroups_split_the_registers():
     assert (two.consumers, two.consumer_registers) == (2, 240)
 
 
+def test_fa3_one_consumer_tiles_run_two_ctas_per_sm_where_shared_memory_allows():
+    one = spec(fa_version=3, arch="sm90a", head_dim=64,
+               tile={**FA3_TILE, "block_m": 64, "warps": 8}).geometry
+    assert one.smem_bytes < 113 * 1024
+    # Two CTAs share the register file: 2 x (24 + 232) thread-slots of 128 threads = 64K.
+    assert (one.ctas_per_sm, one.consumer_registers) == (2, 232)
+    too_big = spec(fa_version=3, arch="sm90a", head_dim=128,
+                   tile={**FA3_TILE, "block_m": 64, "block_n": 128, "warps": 8}).geometry
+    assert too_big.smem_bytes > 113 * 1024 and too_big.ctas_per_sm == 1
+    two_consumers = spec(fa_version=3, arch="sm90a", head_dim=64,
+                         tile={**FA3_TILE, "block_m": 128, "warps": 12}).geometry
+    assert two_consumers.ctas_per_sm == 1
+
+
 def test_fa3_four_consumer_warpgroups_are_rejected():
     text = error_text(fa_version=3, arch="sm90a", head_dim=64,
                       tile={**FA3_TILE, "block_m": 256, "warps": 20})

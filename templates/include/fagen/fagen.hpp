@@ -433,7 +433,8 @@ public:
                 return s;
             }
             const long long tiles = static_cast<long long>(query_blocks) * params.heads_q * params.batch;
-            config.gridDimX = static_cast<unsigned>(tiles < sms ? tiles : sms);
+            const long long resident = static_cast<long long>(sms) * info_->ctas_per_sm;
+            config.gridDimX = static_cast<unsigned>(tiles < resident ? tiles : resident);
             config.gridDimY = config.gridDimZ = 1;
         }
         config.blockDimX = static_cast<unsigned>(info_->threads);
