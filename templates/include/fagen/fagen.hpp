@@ -46,7 +46,7 @@
 namespace fagen {
 
 // Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
-constexpr int kSchemaVersion = 2;  // 2: index.h rows carry max_seqlen_k
+constexpr int kSchemaVersion = 2;  // 2: index.h rows carry ctas_per_sm and max_seqlen_k
 constexpr int kAbiVersion = FAGEN_ABI_VERSION;
 
 class [[nodiscard]] Status {
