@@ -87,6 +87,12 @@ TABLE: tuple[TuningRow, ...] = (
               "run 23, sweep11)",
               warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False,
               max_seqlen_k=1024),
+    TuningRow(3, 64, 128, 128, 12, 3,
+              "causal up to 512 keys: a third K/V stage lets the producer run a whole 4-block "
+              "tile ahead; 240/242 against 235/237 TFLOP/s for two stages (+2 %, two repeats in "
+              "one run), equal at 1k (run 30, sweep14); 113 KB smem",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
+              max_seqlen_k=512),
     TuningRow(3, 64, 128, 128, 12, 2,
               "causal up to 4k: 304/370/406 TFLOP/s at 1k/2k/4k (0.91/0.98/0.98x cuDNN) against "
               "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
