@@ -78,7 +78,8 @@ TABLE: tuple[TuningRow, ...] = (
     # better), each measured in the ablation of docs/performance.md. Persistent grids (_ps)
     # hide each tile's Q/K load latency behind the previous tile; under the causal mask they
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
-    # of 2026-11-30 (runs 11, 13 and 15), ratios to cuDNN in the same run. ----
+    # of 2026-11-30 (runs 11-30, docs/performance.md), ratios to cuDNN in the same run; rows
+    # with max_seqlen_k serve calls with at most that many keys. ----
     TuningRow(3, 64, 128, 128, 12, 2,
               "short non-causal rows: 128-row tiles waste less of the last query block than "
               "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
@@ -88,9 +89,10 @@ TABLE: tuple[TuningRow, ...] = (
               warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False,
               max_seqlen_k=1024),
     TuningRow(3, 64, 128, 128, 12, 3,
-              "causal up to 512 keys: a third K/V stage lets the producer run a whole 4-block "
-              "tile ahead; 240/242 against 235/237 TFLOP/s for two stages (+2 %, two repeats in "
-              "one run), equal at 1k (run 30, sweep14); 113 KB smem",
+              "causal up to 512 keys: a third K/V stage (113 KB smem) measured 240/242 against "
+              "235/237 TFLOP/s for two stages (+2 %, two repeats, run 30 sweep14; +1 % in the "
+              "shipped bundle, run 31) and equal at 1k; why only the shortest rows gain is not "
+              "established",
               warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
               max_seqlen_k=512),
     TuningRow(3, 64, 128, 128, 12, 2,
