@@ -90,7 +90,7 @@ def compute_capability(ordinal: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def multiprocessor_count(ordinal: int) -> int:
-    """SMs of device `ordinal` (persistent kernels launch one CTA per SM)."""
+    """SMs of device `ordinal` (persistent grids are this many times launch.ctas_per_sm)."""
     attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     return int(check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr, device_handle(ordinal))))
 

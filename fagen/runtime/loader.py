@@ -74,6 +74,13 @@ def preferred_family(
     return tuple(e for e in candidates if _preference(e) == best)
 
 
+def for_length(family: tuple[KernelEntry, ...], seqlen_k: int | None) -> KernelEntry:
+    """The member of a preferred_family whose seqlen_k bound fits the call best (_seqlen_fit)."""
+    if len(family) == 1:
+        return family[0]
+    return max(family, key=lambda e: _seqlen_fit(e, seqlen_k))
+
+
 def select(
     entries: tuple[KernelEntry, ...] | list[KernelEntry],
     key: str,
@@ -82,9 +89,8 @@ def select(
     bundle_dir: str | Path = "<bundle>",
 ) -> KernelEntry:
     """The kernel a call with `seqlen_k` keys runs: the preferred family for the device, then
-    the seqlen_k bound that fits the call best (_seqlen_fit)."""
-    family = preferred_family(entries, key, compute_capability, bundle_dir)
-    return max(family, key=lambda e: _seqlen_fit(e, seqlen_k))
+    the seqlen_k bound that fits the call best."""
+    return for_length(preferred_family(entries, key, compute_capability, bundle_dir), seqlen_k)
 
 
 def _parse_key(key: str) -> dict | None:
@@ -223,9 +229,7 @@ class Bundle:
         if family is None:
             family = self._families[request] = preferred_family(
                 self.manifest.kernels, key, request[1], self.path)
-        if len(family) == 1:
-            return family[0]
-        return max(family, key=lambda e: _seqlen_fit(e, seqlen_k))
+        return for_length(family, seqlen_k)
 
     def kernel(self, entry: KernelEntry) -> LoadedKernel:
         """The loaded kernel for `entry`, reading and verifying its cubin on first use."""

@@ -106,20 +106,15 @@ class KernelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_auto_tile(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("tile", "auto") != "auto":
+        request = _auto_tile_request(data)
+        if request is None:
             return data
-        needed = ("fa_version", "arch", "head_dim")
-        if not all(k in data for k in needed):
-            return data  # field validation reports what is missing
         try:
-            arch = Arch(data["arch"])
-            head_dim = int(data["head_dim"])
-            row = resolve_tile(int(data["fa_version"]), arch, head_dim,
-                               bool(data.get("causal", False)), data.get("max_seqlen_k"))
+            row = resolve_tile(*request, data.get("max_seqlen_k"))
         except (ValueError, TypeError, OverflowError) as exc:
             if "tile: auto" in str(exc):
                 raise ValueError(str(exc)) from None
-            return data  # a malformed arch/head_dim: field validation names it
+            return data  # a malformed field: field validation names it
         return {**data, "tile": row.tile_fields()}
 
     @field_validator("head_dim")
@@ -190,13 +185,26 @@ class KernelSpec(BaseModel):
         return f"{self.direction}/{self.dtype}/hd{self.head_dim}/{self.mask_name}"
 
 
+def _auto_tile_request(data: Any) -> tuple[int, Arch, int, bool] | None:
+    """(fa_version, arch, head_dim, causal) of a `tile: auto` entry for the tuning table; None
+    for an explicit tile, or for fields missing or too malformed to ask (field validation then
+    names them)."""
+    if not isinstance(data, dict) or data.get("tile", "auto") != "auto":
+        return None
+    try:
+        return (int(data["fa_version"]), Arch(data["arch"]), int(data["head_dim"]),
+                bool(data.get("causal", False)))
+    except (KeyError, ValueError, TypeError, OverflowError):
+        return None
+
+
 def auto_seqlen_bounds(fields: dict[str, Any]) -> list[int]:
     """The extra seqlen_k bounds a `tile: auto` entry expands to (see tuning.seqlen_bounds);
     none for an explicit tile or bound, or fields too malformed to ask (validation names them)."""
-    if fields.get("tile", "auto") != "auto" or "max_seqlen_k" in fields:
+    request = _auto_tile_request(fields)
+    if request is None or "max_seqlen_k" in fields:
         return []
     try:
-        return seqlen_bounds(int(fields["fa_version"]), Arch(fields["arch"]),
-                             int(fields["head_dim"]), bool(fields.get("causal", False)))
-    except (KeyError, ValueError, TypeError, OverflowError):
+        return seqlen_bounds(*request)
+    except (ValueError, TypeError, OverflowError):
         return []

@@ -224,8 +224,10 @@ def seqlen_bounds(fa_version: int, arch: Arch, head_dim: int, causal: bool = Fal
     general = resolve_tile(fa_version, arch, head_dim, causal)
     bounds = []
     for bound in sorted({r.max_seqlen_k for r in rows} - {None}):
-        fitting = [r for r in rows if r.max_seqlen_k == bound
-                   and not _fit_problems(r, fa_version, arch, head_dim)]
-        if fitting and fitting[0].tile_fields() != general.tile_fields():
+        try:
+            row = resolve_tile(fa_version, arch, head_dim, causal, bound)
+        except ValueError:
+            continue  # no row of this bound fits the target
+        if row.tile_fields() != general.tile_fields():
             bounds.append(bound)
     return bounds
