@@ -24,6 +24,7 @@
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
+#include "fagen/algo/tma_tile.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
@@ -118,13 +119,8 @@ struct Forward {
     static __device__ __forceinline__ void load_q(const FagenTmaMaps& maps, const Smem& s,
                                                   const Work& w, int tile_count) {
         ptx::mbarrier_wait_parity(s.q_empty(), (tile_count & 1) ^ 1);
-        ptx::mbarrier_arrive_expect_tx(s.q_full(), kQBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-            ptx::cp_async_bulk_tensor_4d_global_to_shared(
-                s.q + c * kBlockM * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.q),
-                s.q_full(), c * 64, w.row_begin, w.head, w.batch);
-        }
+        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.q_full(), w.row_begin, w.head,
+                                     w.batch);
     }
 
     // K and V of the j-th visited key block of a tile into ring position `ring` (slot
@@ -135,21 +131,11 @@ struct Forward {
         const uint32_t empty_parity = ((ring / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
         const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
-        ptx::mbarrier_arrive_expect_tx(s.k_full(slot), kKVBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-            ptx::cp_async_bulk_tensor_4d_global_to_shared(
-                s.k_tile(slot) + c * kBlockN * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.k),
-                s.k_full(slot), c * 64, key_begin, w.kv_head, w.batch);
-        }
+        algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
+                                     w.kv_head, w.batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-        ptx::mbarrier_arrive_expect_tx(s.v_full(slot), kKVBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-            ptx::cp_async_bulk_tensor_4d_global_to_shared(
-                s.v_tile(slot) + c * kBlockN * 128, reinterpret_cast<const ptx::TensorMap*>(&maps.v),
-                s.v_full(slot), c * 64, key_begin, w.kv_head, w.batch);
-        }
+        algo::tma_load_tile<kChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
+                                     w.kv_head, w.batch);
     }
 
     // ---------------------------------------------------------------- consumer MMAs

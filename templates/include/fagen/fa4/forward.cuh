@@ -45,6 +45,7 @@
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/tile_output.cuh"
+#include "fagen/algo/tma_tile.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
@@ -151,36 +152,18 @@ struct Forward {
 
     // ---------------------------------------------------------------- load warp
     static __device__ void load(const FagenTmaMaps& maps, const Smem& s, const Work& w) {
-        const auto* map_q = reinterpret_cast<const ptx::TensorMap*>(&maps.q);
-        const auto* map_k = reinterpret_cast<const ptx::TensorMap*>(&maps.k);
-        const auto* map_v = reinterpret_cast<const ptx::TensorMap*>(&maps.v);
-        ptx::mbarrier_arrive_expect_tx(s.barrier(kQFull), kQBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-            ptx::cp_async_bulk_tensor_4d_global_to_shared(s.q + c * kBlockM * 128, map_q,
-                                                          s.barrier(kQFull), c * 64, w.row_begin,
-                                                          w.head, w.batch);
-        }
+        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.barrier(kQFull), w.row_begin,
+                                     w.head, w.batch);
         for (int j = 0; j < w.n_blocks; ++j) {
             const int slot = j % kStages;
             const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
             const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
             ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
-            ptx::mbarrier_arrive_expect_tx(s.k_full(slot), kKVBytes);
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-                ptx::cp_async_bulk_tensor_4d_global_to_shared(s.k_tile(slot) + c * kBlockN * 128,
-                                                              map_k, s.k_full(slot), c * 64,
-                                                              key_begin, w.kv_head, w.batch);
-            }
+            algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
+                                         key_begin, w.kv_head, w.batch);
             ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-            ptx::mbarrier_arrive_expect_tx(s.v_full(slot), kKVBytes);
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-                ptx::cp_async_bulk_tensor_4d_global_to_shared(s.v_tile(slot) + c * kBlockN * 128,
-                                                              map_v, s.v_full(slot), c * 64,
-                                                              key_begin, w.kv_head, w.batch);
-            }
+            algo::tma_load_tile<kChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
+                                         key_begin, w.kv_head, w.batch);
         }
     }
 

@@ -1,0 +1,25 @@
+// One tile of a TMA shared-memory ring (Q, or the K or V of a key block), from global to shared
+// memory. Shared by the TMA kernels (FA3, FA4).
+#pragma once
+#include "fagen/params.h"
+#include "fagen/ptx/cp_async_bulk_tensor.cuh"
+#include "fagen/ptx/mbarrier.cuh"
+
+namespace fagen::algo {
+
+// The tile is kChunks column chunks of 64 elements (one 128-byte swizzle atom wide), each
+// `rows` rows of 128 bytes, stored one after the other at `dst`. All of it lands on mbarrier
+// `full`, which is told the tile's byte count first; the caller has made sure the slot is free.
+template <int kChunks>
+__device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_t dst, int rows,
+                                              uint32_t full, int row_begin, int head, int batch) {
+    ptx::mbarrier_arrive_expect_tx(full, kChunks * rows * 128);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+        ptx::cp_async_bulk_tensor_4d_global_to_shared(
+            dst + c * rows * 128, reinterpret_cast<const ptx::TensorMap*>(&map), full, c * 64,
+            row_begin, head, batch);
+    }
+}
+
+}  // namespace fagen::algo
