@@ -18,7 +18,7 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .. import paths
 from ..abi import FwdParams
 from ..bundle.format import Launch
-from ..runtime import Bundle, driver, launch_grid, load
+from ..runtime import Bundle, LoadedKernel, driver, launch_grid, load
 
 LOG2_E = math.log2(math.e)
 # Mirrors fagen.spec.model (not imported: the runtime path stays free of pydantic).
@@ -199,13 +199,24 @@ def fwd_params(
     )
 
 
-def prepare_launch(
+class _PreparedLaunch(NamedTuple):
+    """Everything a launch needs except the output addresses, which change per call."""
+
+    kernel: LoadedKernel
+    grid: tuple[int, int, int]
+    params: bytes  # FagenFwdParams with o = lse = 0
+    extra_params: tuple  # TMA maps of FA3 kernels
+    device: int
+    # The kernel-ready q, k, v the parameters point to (copies where the inputs needed one),
+    # held until the launch is enqueued; () once kept for later calls, which must not keep the
+    # caller's tensors alive (the addresses are part of the cache key instead).
+    inputs: tuple
+
+
+def _prepare(
     kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, scale: float,
-):
-    """Everything a launch of `entry` on these tensors needs (grid, kernel-ready copies, the
-    parameter struct, TMA maps, the loaded kernel), done once; returns the launch itself, which
-    enqueues on torch's current stream when called."""
+) -> _PreparedLaunch:
     batch, seqlen_q, heads_q, _ = q.shape
     device = q.device
     grid = launch_grid(entry, seqlen_q, heads_q, batch, device.index)
@@ -217,18 +228,52 @@ def prepare_launch(
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
     params = fwd_params(q, k, v, out, lse, scale)
-    kernel = kernels.kernel(entry)
+    params.o = params.lse = 0
     with torch.cuda.device(device):
         extra_params = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
+    return _PreparedLaunch(kernels.kernel(entry), grid, bytes(params), extra_params, device.index,
+                           (q, k, v))
 
-    # The default argument holds the kernel-ready tensors (possibly fresh copies) for as long as
-    # the launch can still be enqueued: the parameter struct only has their addresses.
-    def launch(_inputs=(q, k, v)) -> None:
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device).cuda_stream
-            kernel.launch(params, grid, stream, device=device.index, extra_params=extra_params)
 
-    return launch
+def _current_stream(device: int) -> int:
+    # torch's raw-stream query is ~20x cheaper than torch.cuda.current_stream(device); both
+    # name the stream torch enqueues on for `device`.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _launch(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:
+    params = FwdParams.from_buffer_copy(prepared.params)
+    params.o, params.lse = out.data_ptr(), lse.data_ptr()
+    prepared.kernel.launch(params, prepared.grid, _current_stream(prepared.device),
+                           device=prepared.device, extra_params=prepared.extra_params)
+
+
+def prepare_launch(
+    kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, scale: float,
+):
+    """Everything a launch of `entry` on these tensors needs (grid, kernel-ready copies, the
+    parameter struct, TMA maps, the loaded kernel), done once; returns the launch itself, which
+    enqueues on torch's current stream when called."""
+    prepared = _prepare(kernels, entry, q, k, v, out, lse, scale)
+    return functools.partial(_launch, prepared, out, lse)
+
+
+# Prepared launches of earlier calls, by everything they depend on. A training or serving loop
+# calls with the same shapes and, through torch's caching allocator, mostly the same addresses,
+# so a repeated call skips the checks, the kernel choice and the parameter and tensor-map
+# building: 124 -> 22-45 us of host time per call on the H200 hosts (bench/launch_overhead.py),
+# which matters wherever the kernel itself takes about that long. Only calls whose inputs are
+# used in place are kept (a copy has a fresh address each call).
+_prepared_launches: dict[tuple, _PreparedLaunch] = {}
+_PREPARED_LAUNCHES_KEPT = 1024  # distinct (shape, address) combinations; then start over
+
+
+def _call_signature(kernels, q, k, v, causal, softmax_scale) -> tuple:
+    return (kernels, causal, softmax_scale, q.device, q.dtype, k.dtype, v.dtype,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, k.shape, v.shape,
+            q.stride(), k.stride(), v.stride())
 
 
 def _flash_attn_fwd(
@@ -239,11 +284,19 @@ def _flash_attn_fwd(
     softmax_scale: Optional[float],
     bundle: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = get_bundle(bundle)
+    signature = _call_signature(kernels, q, k, v, causal, softmax_scale)
+    prepared = _prepared_launches.get(signature)
+    if prepared is not None:  # the same call ran before, so it passed the checks below
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        _launch(prepared, out, lse)
+        return out, lse
+
     _check_inputs(q, k, v)
     _check_device(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    kernels = get_bundle(bundle)
     entry = kernels.select(
         kernel_key(q.dtype, head_dim, causal), torch.cuda.get_device_capability(q.device), seqlen_k
     )
@@ -257,7 +310,12 @@ def _flash_attn_fwd(
         lse.fill_(-math.inf)
         return out, lse
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    prepare_launch(kernels, entry, q, k, v, out, lse, scale)()
+    prepared = _prepare(kernels, entry, q, k, v, out, lse, scale)
+    if all(ready is given for ready, given in zip(prepared.inputs, (q, k, v))):
+        if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
+            _prepared_launches.clear()
+        _prepared_launches[signature] = prepared._replace(inputs=())
+    _launch(prepared, out, lse)
     return out, lse
 
 

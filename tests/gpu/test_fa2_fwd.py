@@ -226,6 +226,38 @@ def test_return_lse_shapes(bundle):
     assert torch.equal(out, out2)
 
 
+def test_repeated_call_sees_new_contents(bundle):
+    # The second call reuses the first one's prepared launch (same shapes and addresses); it
+    # must still read what the tensors hold now, and an input freed and reallocated at the
+    # same address must work as well.
+    from fagen.torch import adapter
+
+    require_kernel(bundle, torch.bfloat16, 128, True)
+    q, k, v = random_qkv(2, 300, 300, 3, 3, 128, torch.bfloat16)
+    flash_attn_func(q, k, v, causal=True)
+    kept = len(adapter._prepared_launches)
+    q.copy_(torch.randn_like(q))
+    out, lse = run_poisoned(q, k, v, causal=True)
+    assert len(adapter._prepared_launches) == kept, "the repeated call was prepared again"
+    assert_close_to_reference(out, lse, q, k, v, True)
+    del k
+    k = torch.randn(2, 300, 3, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = run_poisoned(q, k, v, causal=True)
+    assert_close_to_reference(out, lse, q, k, v, True)
+
+
+def test_repeated_calls_keep_no_input_alive(bundle):
+    import weakref
+
+    require_kernel(bundle, torch.bfloat16, 64, False)
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    alive = [weakref.ref(t) for t in (q, k, v)]
+    del q, k, v
+    assert all(ref() is None for ref in alive), "fagen kept a caller's tensor alive"
+
+
 def test_side_stream(bundle):
     require_kernel(bundle, torch.bfloat16, 128, True)
     q, k, v = random_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16)

@@ -165,3 +165,47 @@ def test_broadcast_is_copied_for_tma_kernels():
     assert adapter._kernel_ready(t) is t
     ready = adapter._kernel_ready(t, uses_tma=True)
     assert ready is not t and ready.is_contiguous() and torch.equal(ready, t)
+
+
+def _without_device(monkeypatch, prepared_inputs):
+    """Runs _flash_attn_fwd on CPU tensors: the device check, kernel choice, preparation and
+    launch are replaced; returns the list of preparations and the list of launches."""
+    preparations, launches = [], []
+
+    class Kernels:
+        def select(self, key, compute_capability, seqlen_k):
+            return object()
+
+    def prepare(kernels, entry, q, k, v, out, lse, scale):
+        preparations.append((q, k, v))
+        return adapter._PreparedLaunch(None, (1, 1, 1), b"", (), 0, prepared_inputs(q, k, v))
+
+    monkeypatch.setattr(adapter, "_prepared_launches", {})
+    monkeypatch.setattr(adapter, "get_bundle", lambda bundle: Kernels.instance)
+    monkeypatch.setattr(adapter, "_check_device", lambda q, k, v: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(adapter, "_prepare", prepare)
+    monkeypatch.setattr(adapter, "_launch", lambda prepared, out, lse: launches.append(prepared))
+    Kernels.instance = Kernels()
+    return preparations, launches
+
+
+def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
+    preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q, k, v))
+    q, k, v = _qkv()
+    for _ in range(3):
+        adapter._flash_attn_fwd(q, k, v, True, None, None)
+    assert len(preparations) == 1 and len(launches) == 3
+    adapter._flash_attn_fwd(q, k, v, False, None, None)  # another mask: prepared anew
+    adapter._flash_attn_fwd(q.clone(), k, v, True, None, None)  # another address: prepared anew
+    assert len(preparations) == 3
+    kept = list(adapter._prepared_launches.values())
+    assert kept and all(p.inputs == () for p in kept), "a kept launch must not hold the inputs"
+
+
+def test_a_call_that_copied_its_inputs_is_not_kept(monkeypatch):
+    preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q.clone(), k, v))
+    q, k, v = _qkv()
+    adapter._flash_attn_fwd(q, k, v, True, None, None)
+    adapter._flash_attn_fwd(q, k, v, True, None, None)
+    assert len(preparations) == 2 and not adapter._prepared_launches
