@@ -157,6 +157,16 @@ def test_every_kernel_of_the_bundle(bundle, size):
             raise AssertionError(f"{entry.name}: {exc}") from None
 
 
+@pytest.mark.parametrize("seqlen", (1000, 1100), ids=("8qblocks", "9qblocks"))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_causal_with_more_work_than_two_rounds(bundle, head_dim, seqlen):
+    # Persistent causal kernels walk pair items round-robin (algo/tile_scheduler.cuh); the small
+    # sizes above fit in one round. 80 heads x 4-5 pair items = 320-400 items: two to three
+    # rounds on the H200's 132 SMs, an even and an odd number of query blocks of 128 rows (the
+    # odd one has a middle block paired with itself).
+    check_case(bundle, 4, seqlen, seqlen, 20, 20, head_dim, torch.bfloat16, True)
+
+
 @pytest.mark.parametrize("heads", ((8, 1), (8, 4)), ids=("mqa8to1", "gqa2to1"))
 @pytest.mark.parametrize("size", ((2, 300, 300), (2, 128, 300), (2, 300, 128)), ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
