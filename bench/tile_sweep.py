@@ -16,11 +16,11 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from bench.attention import (HIDDEN, MAX_ABS_DIFF_FLAG, PEERS, TOTAL_TOKENS, attention_flops,
-                             median_ms, tflops)
+                             median_ms, sdpa, tflops)
+from fagen.runtime import runs_on
 from fagen.torch.adapter import get_bundle, prepare_launch
 
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     cc = torch.cuda.get_device_capability()
     by_key = defaultdict(list)
     for entry in bundle.kernels:
-        if entry.compute_capability[0] == cc[0] and (not entry.arch_specific or tuple(entry.compute_capability) == cc):
+        if runs_on(entry, cc):
             by_key[entry.key].append(entry)
 
     rows = []
@@ -57,15 +57,13 @@ def main(argv=None) -> int:
         batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
         torch.manual_seed(0)
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3))
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
         peer_tflops = {}
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            reference = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        with sdpa_kernel(PEERS["FA2"]):
+            reference = sdpa(q, k, v, causal).transpose(1, 2)
         for name, backend in PEERS.items():
             with sdpa_kernel(backend):
-                peer_tflops[name] = tflops(flops, median_ms(
-                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+                peer_tflops[name] = tflops(flops, median_ms(lambda: sdpa(q, k, v, causal)))
         for entry in sorted(by_key[key], key=lambda e: (e.fa_version, e.name)):
             out = torch.full_like(q, float("nan"))
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)

@@ -12,6 +12,7 @@ import json
 from .format import Manifest
 
 INDEX_HEADER = "include/fagen/index.h"
+PARAMS_HEADER = "include/fagen/params.h"  # the kernel ABI, copied into every bundle
 
 
 def _c_string(value: str) -> str:

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import abi
-from .cindex import INDEX_HEADER, manifest_sha256, render_index_header
+from .cindex import INDEX_HEADER, PARAMS_HEADER, manifest_sha256, render_index_header
 from .format import (
     MANIFEST_NAME, SCHEMA_VERSION, BundleError, Manifest, check_versions, sha256_bytes,
 )
 from .pack import read_packed
 
-PARAMS_HEADER = "include/fagen/params.h"
 _ABI_DEFINE = re.compile(r"^#define FAGEN_ABI_VERSION (\d+)\s*$", re.MULTILINE)
 
 

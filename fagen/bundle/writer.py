@@ -29,10 +29,9 @@ from ..compiler import (
     toolchain_versions, tree_digest,
 )
 from ..spec import ARCHS, Arch, Expansion, KernelSpec, algorithm_for
-from .cindex import INDEX_HEADER, render_index_header
+from .cindex import INDEX_HEADER, PARAMS_HEADER, render_index_header
 from .format import MANIFEST_NAME, KernelEntry, Launch, Manifest, Resources, sha256_bytes
 
-PARAMS_HEADER = "include/fagen/params.h"
 CPP_LOADER_HEADER = "include/fagen/fagen.hpp"
 
 
@@ -139,11 +138,10 @@ def _entry(spec: KernelSpec, kernel: CachedKernel) -> KernelEntry:
 
 
 def _compile_all(
-    rendered: list[RenderedKernel], staging: Path, jobs: int, cache: KernelCache,
-    progress: ProgressCallback | None,
+    rendered: list[RenderedKernel], options: dict[Arch, NvrtcOptions], staging: Path, jobs: int,
+    cache: KernelCache, progress: ProgressCallback | None,
 ) -> list[tuple[CachedKernel, bool]]:
     """(kernel, came from the cache) per rendered kernel, in order; the first failure raises."""
-    options = {arch: options_for(arch) for arch in {r.spec.arch for r in rendered}}
     results: list[tuple[CachedKernel, bool] | None] = [None] * len(rendered)
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="fagen-nvrtc") as pool:
         futures = {
@@ -224,12 +222,13 @@ def build_bundle(
                 source = staging / "src" / r.spec.arch.value / f"{r.name}.cu"
                 source.parent.mkdir(parents=True, exist_ok=True)
                 source.write_text(r.source)
+            options = {arch: options_for(arch) for arch in {r.spec.arch for r in rendered}}
             try:
-                built = _compile_all(rendered, staging, jobs, cache, progress)
+                built = _compile_all(rendered, options, staging, jobs, cache, progress)
             except CompileError as exc:
                 raise _keep_failed(staging, out_dir, exc) from None
             kernels = [kernel for kernel, _ in built]
-            manifest = _write_bundle(expansion, rendered, kernels, staging, toolchain)
+            manifest = _write_bundle(expansion, rendered, kernels, options, staging, toolchain)
             _swap_in(staging, out_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -248,9 +247,8 @@ def build_bundle(
 
 def _write_bundle(
     expansion: Expansion, rendered: list[RenderedKernel], kernels: list[CachedKernel],
-    staging: Path, toolchain: dict[str, str],
+    options: dict[Arch, NvrtcOptions], staging: Path, toolchain: dict[str, str],
 ) -> Manifest:
-    options = {arch: options_for(arch) for arch in {r.spec.arch for r in rendered}}
     entries = []
     for r, kernel in zip(rendered, kernels):
         entry = _entry(r.spec, kernel)

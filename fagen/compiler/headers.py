@@ -32,9 +32,9 @@ def nvrtc_version() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def bundled_include_dirs(root: Path | None = None) -> tuple[Path, ...]:
+def bundled_include_dirs() -> tuple[Path, ...]:
     """The include dirs of NVRTC's bundled headers (`<dir>` and `<dir>/cccl`), extracting once."""
-    target = (root or cache_root()) / "nvrtc-headers" / nvrtc_version()
+    target = cache_root() / "nvrtc-headers" / nvrtc_version()
     target.parent.mkdir(parents=True, exist_ok=True)
     # nvrtcInstallBundledHeaders locks on its own, but only around the extraction; our lock also
     # covers the check that follows, so no reader sees a half-written tree.

@@ -69,14 +69,13 @@ def nvrtc_compile(source: str, name: str, options: NvrtcOptions) -> tuple[bytes 
 def compile_kernel(
     rendered: RenderedKernel, source_dir: Path, options: NvrtcOptions | None = None
 ) -> CompiledKernel:
-    """Compile `rendered` into a checked cubin; its source is written to `source_dir` first.
+    """Compile `rendered` into a checked cubin. Errors name its source as
+    `source_dir/<name>.cu`, where the bundle writer keeps every kernel's source.
 
     Raises CompileError (with the NVRTC log and the path of the source on disk) when NVRTC fails,
     the cubin is empty, anything spills, or ptxas warns about performance.
     """
     source_path = Path(source_dir) / f"{rendered.name}.cu"
-    source_path.parent.mkdir(parents=True, exist_ok=True)
-    source_path.write_text(rendered.source)
     options = options or options_for(rendered.spec.arch)
 
     start = time.perf_counter()

@@ -74,20 +74,6 @@ def device_handle(ordinal: int):
     return check("cuDeviceGet", cu.cuDeviceGet(ordinal))
 
 
-def compute_capability(ordinal: int) -> tuple[int, int]:
-    dev = device_handle(ordinal)
-    attr = cu.CUdevice_attribute
-    major = check(
-        "cuDeviceGetAttribute",
-        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-    )
-    minor = check(
-        "cuDeviceGetAttribute",
-        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-    )
-    return int(major), int(minor)
-
-
 @functools.lru_cache(maxsize=None)
 def multiprocessor_count(ordinal: int) -> int:
     """SMs of device `ordinal` (persistent grids are this many times launch.ctas_per_sm)."""

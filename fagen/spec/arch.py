@@ -48,11 +48,3 @@ ARCHS: dict[Arch, ArchInfo] = {
 MAX_REGISTERS_PER_THREAD = 255
 REGISTERS_PER_SM = 64 * 1024
 
-
-def runs_on(arch: Arch | str, compute_capability: tuple[int, int]) -> bool:
-    """Whether a cubin built for `arch` loads on a device of `compute_capability`."""
-    info = ARCHS[Arch(arch)]
-    if info.arch_specific:
-        return info.compute_capability == tuple(compute_capability)
-    major, minor = info.compute_capability
-    return compute_capability[0] == major and compute_capability[1] >= minor

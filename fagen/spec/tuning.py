@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from types import SimpleNamespace
 
 from .algorithms import algorithm_for
 from .arch import ARCHS, Arch
@@ -180,10 +179,8 @@ def _bucket_rows(fa_version: int, head_dim: int, causal: bool) -> list[TuningRow
 
 
 def _fit_problems(row: TuningRow, fa_version: int, arch: Arch, head_dim: int) -> list[str]:
-    tile = SimpleNamespace(**{"warp_specialized": False, "pingpong": False,
-                              "intra_wg_overlap": False, "persistent": False,
-                              **row.tile_fields()})
-    geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, tile)
+    # A row carries every tile attribute the geometry reads.
+    geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, row)
     return geometry.problems(ARCHS[arch].max_smem_per_block)
 
 

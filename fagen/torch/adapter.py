@@ -240,11 +240,15 @@ def _prepare(
                            (q, k, v))
 
 
+# torch's raw-stream query is ~20x cheaper than torch.cuda.current_stream(device); both name the
+# stream torch enqueues on for a device. Absent from torch builds without CUDA.
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device: int) -> int:
-    # torch's raw-stream query is ~20x cheaper than torch.cuda.current_stream(device); both
-    # name the stream torch enqueues on for `device`.
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _launch(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:

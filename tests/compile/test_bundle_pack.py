@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import fagen
+from fagen import abi
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
 from fagen.bundle.format import BundleError, read_manifest, read_verified_cubin
 from fagen.bundle.pack import CHECKSUMS_NAME, pack_bundle
@@ -85,7 +86,7 @@ def test_python_loader_refuses_tampered_cubin(bundle_dir, tmp_path):
 def test_python_loader_refuses_other_abi(bundle_dir, tmp_path):
     other = copy_bundle(bundle_dir, tmp_path / "other-abi")
     set_abi_version(other)
-    with pytest.raises(BundleError, match=f"kernel ABI version {OTHER_ABI_VERSION}.*ABI version 1"):
+    with pytest.raises(BundleError, match=f"kernel ABI version {OTHER_ABI_VERSION}.*ABI version {abi.ABI_VERSION}"):
         fagen.load(other)
     with pytest.raises(BundleError, match=f"kernel ABI version {OTHER_ABI_VERSION}"):
         pack_bundle(other, tmp_path / "other-abi.tar.gz")
@@ -138,7 +139,7 @@ def test_verify_other_abi(bundle_dir, tmp_path, capsys):
     set_abi_version(other)
     code, text = verify(other, capsys)
     assert code == 1
-    assert f"kernel ABI version {OTHER_ABI_VERSION}" in text and "speaks ABI version 1" in text
+    assert f"kernel ABI version {OTHER_ABI_VERSION}" in text and f"speaks ABI version {abi.ABI_VERSION}" in text
 
 
 def test_verify_index_out_of_step_with_manifest(bundle_dir, tmp_path, capsys):

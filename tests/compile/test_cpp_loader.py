@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
+from fagen import abi
 from fagen.bundle.cindex import INDEX_HEADER, render_index_header
 from fagen.bundle.format import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from fagen.runtime.loader import KernelNotFound, select
@@ -161,7 +162,7 @@ def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):
     result = run(open_bundle, other)
     assert result.returncode == 1
     assert f"built for kernel ABI version {OTHER_ABI_VERSION}" in result.stderr
-    assert "compiled against ABI version 1" in result.stderr
+    assert f"compiled against ABI version {abi.ABI_VERSION}" in result.stderr
 
 
 def test_cpp_refuses_newer_schema(open_bundle, ci_small, tmp_path):

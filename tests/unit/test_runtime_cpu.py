@@ -25,12 +25,11 @@ ARCHS = {
 }
 
 
-def kernel_entry(arch: str, key: str, fa_version: int = 2, cubin_bytes: bytes | None = None,
-                 max_seqlen_k: int | None = None) -> dict:
+def kernel_entry(arch: str, key: str, fa_version: int = 2, max_seqlen_k: int | None = None) -> dict:
     direction, dtype, head_dim, mask = key.split("/")
     bound = "" if max_seqlen_k is None else f"_upto{max_seqlen_k}"
     name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}{bound}_test"
-    data = cubin_bytes if cubin_bytes is not None else f"cubin of {name}".encode()
+    data = f"cubin of {name}".encode()
     cc, arch_specific = ARCHS[arch]
     return {
         "name": name,
