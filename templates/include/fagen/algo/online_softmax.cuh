@@ -52,6 +52,16 @@ __device__ __forceinline__ float reference_scaled(float reference, float scale_l
     return reference == neg_inf() ? 0.f : reference * scale_log2;
 }
 
+// A finished row's natural-log LSE from its reference maximum and its (complete) sum: -inf for a
+// row that saw no key (sum 0).
+__device__ __forceinline__ float row_lse(float reference, float sum, float scale_log2) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    return sum == 0.f ? neg_inf() : (reference * scale_log2 + __log2f(sum)) * kLn2;
+}
+
+// What a finished row's output is multiplied by: 1 / sum, and 0 for a row that saw no key.
+__device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
+
 // kM row-pair tiles -> 2*kM rows per thread.
 template <int kM, class Options = DefaultSoftmaxOptions>
 struct OnlineSoftmax {
@@ -144,15 +154,13 @@ struct OnlineSoftmax {
     template <int kNO>
     __device__ __forceinline__ void finalize(float (&out)[kM][kNO][4], float (&lse)[kM][2],
                                              float scale_log2) {
-        constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float sum = quad_sum(row_sum[m][h]);
-                const bool empty = sum == 0.f;
-                const float inv = empty ? 0.f : 1.f / sum;
-                lse[m][h] = empty ? neg_inf() : (row_max[m][h] * scale_log2 + __log2f(sum)) * kLn2;
+                const float inv = inverse_row_sum(sum);
+                lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
 #pragma unroll
                 for (int n = 0; n < kNO; ++n) {
                     out[m][n][2 * h] *= inv;

@@ -16,6 +16,8 @@
 // Work indices: tile t of a pair item s is index 2s + t; a walk is
 //     for (int i = sched.first(); i < sched.end(); i = sched.next(i)) { sched.tile(i) ... }
 #pragma once
+#include "fagen/algo/mask.cuh"
+#include "fagen/params.h"
 
 namespace fagen::algo {
 
@@ -32,6 +34,11 @@ struct TileScheduler {
     int m_blocks;
     int heads;
     int batch;
+
+    // The scheduler of a launch with query blocks of `block_m` rows.
+    static __device__ __forceinline__ TileScheduler for_params(const FagenFwdParams& p, int block_m) {
+        return {(p.seqlen_q + block_m - 1) / block_m, p.heads_q, p.batch};
+    }
 
     __device__ __forceinline__ int pairs_per_head() const { return (m_blocks + 1) / 2; }
 
@@ -77,5 +84,21 @@ struct TileScheduler {
         }
     }
 };
+
+// What a kernel needs to know about its tile: where its rows start, which K/V head it reads
+// (GQA/MQA: heads_q / heads_kv query heads share one), and how many key blocks it visits
+// (<= 0 when none of its rows sees a key).
+struct TileWork {
+    int head, batch, kv_head, row_begin, n_blocks;
+};
+
+template <bool kCausal>
+__device__ __forceinline__ TileWork tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
+                                              int block_n) {
+    const AttentionMask<kCausal> mask{p.seqlen_q, p.seqlen_k};
+    const int row_begin = t.m_block * block_m;
+    return {t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin,
+            mask.key_blocks(row_begin, block_m, block_n)};
+}
 
 }  // namespace fagen::algo

@@ -85,8 +85,7 @@ struct Forward {
         const int tid = threadIdx.x;
         const int warp = tid / 32;
         const int lane = tid % 32;
-        const algo::TileScheduler<Config::kCausal, false> sched{
-            (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM, p.heads_q, p.batch};
+        const auto sched = algo::TileScheduler<Config::kCausal, false>::for_params(p, Config::kBlockM);
         const algo::Tile tile = sched.tile(sched.first());
         const int m_block = tile.m_block;
         const int head = tile.head;

@@ -62,7 +62,7 @@ struct Forward {
     static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
-    static constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes
+    static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
 
     static_assert(kBlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3);
     static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
@@ -96,21 +96,11 @@ struct Forward {
 
     using Scheduler = algo::TileScheduler<Config::kCausal, Config::kPersistent>;
 
-    struct Work {
-        int head, batch, kv_head, row_begin, n_blocks;
-    };
+    using Work = algo::TileWork;
 
     static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
                                                      int index) {
-        const algo::Tile t = sched.tile(index);
-        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
-        Work w;
-        w.head = t.head;
-        w.batch = t.batch;
-        w.kv_head = t.head / (prm.heads_q / prm.heads_kv);
-        w.row_begin = t.m_block * kBlockM;
-        w.n_blocks = mask.key_blocks(w.row_begin, kBlockM, kBlockN);
-        return w;
+        return algo::tile_work<Config::kCausal>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
     // ---------------------------------------------------------------- producer
@@ -401,16 +391,14 @@ struct Forward {
     }
 
     // ---------------------------------------------------------------- entry
-    // The dynamic shared window is only 16-byte aligned by contract; the swizzle needs 1024.
     static __device__ __forceinline__ Smem smem_layout(char* smem) {
-        const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-        const uint32_t base = (raw + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+        const uint32_t base = algo::swizzle_aligned_base(smem);
         return Smem{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
                     base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
     }
 
     static __device__ __forceinline__ Scheduler scheduler(const FagenFwdParams& prm) {
-        return Scheduler{(prm.seqlen_q + kBlockM - 1) / kBlockM, prm.heads_q, prm.batch};
+        return Scheduler::for_params(prm, kBlockM);
     }
 
     static __device__ void produce(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
@@ -468,9 +456,7 @@ struct Forward {
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
         if (threadIdx.x == 0) {
             const Smem s = smem_layout(smem);
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.q));
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.k));
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.v));
+            algo::prefetch_tma_maps(maps);
             ptx::mbarrier_init(s.q_full(), 1);
             ptx::mbarrier_init(s.q_empty(), kConsumerThreads);
             for (int st = 0; st < kStages; ++st) {

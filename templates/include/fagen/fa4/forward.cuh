@@ -101,7 +101,7 @@ struct Forward {
     static constexpr int kPVSteps = kBlockN / 16;
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
-    static constexpr uint32_t kSwizzleAtomBytes = 1024;
+    static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr uint32_t kOColumn = 2 * kBlockN;
     static constexpr uint32_t kQKInstr =
         ptx::Tcgen05F16InstructionDescriptor<kBlockM, kBlockN, Config::kIsBf16, false>::value;
@@ -139,9 +139,7 @@ struct Forward {
     };
     static_assert(Config::kSmemControlBytes == 8 * (kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
 
-    struct Work {
-        int head, batch, kv_head, row_begin, n_blocks;
-    };
+    using Work = algo::TileWork;
 
     static __device__ __forceinline__ float load_shared_f32(uint32_t addr) {
         return *static_cast<const float*>(__cvta_shared_to_generic(addr));
@@ -290,12 +288,7 @@ struct Forward {
         ptx::mbarrier_arrive(s.barrier(kStatsFull));
         const int rows_valid = prm.seqlen_q - w.row_begin;
         float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
-        if (lse != nullptr && row < rows_valid) {
-            constexpr float kLn2 = 0.6931471805599453f;
-            lse[row] = row_sum == 0.f
-                           ? algo::neg_inf()
-                           : (algo::reference_scaled(reference, prm.scale_log2) + __log2f(row_sum)) * kLn2;
-        }
+        if (lse != nullptr && row < rows_valid) lse[row] = algo::row_lse(reference, row_sum, prm.scale_log2);
     }
 
     // ---------------------------------------------------------------- correction warps
@@ -331,8 +324,7 @@ struct Forward {
         ptx::mbarrier_wait_parity(s.barrier(kStatsFull), 0);
         ptx::tcgen05_fence_after_thread_sync();
         const float sum = load_shared_f32(s.row_sum() + row * 4);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;
-        store_output(prm, s, w, tmem_o, inv, row);
+        store_output(prm, s, w, tmem_o, algo::inverse_row_sum(sum), row);
     }
 
     // ---------------------------------------------------------------- epilogue
@@ -391,33 +383,21 @@ struct Forward {
 
     // ---------------------------------------------------------------- entry
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
-        const algo::TileScheduler<Config::kCausal, false> sched{
-            (prm.seqlen_q + kBlockM - 1) / kBlockM, prm.heads_q, prm.batch};
-        const algo::Tile tile = sched.tile(sched.first());
-        Work w;
-        w.head = tile.head;
-        w.batch = tile.batch;
-        w.kv_head = w.head / (prm.heads_q / prm.heads_kv);
-        w.row_begin = tile.m_block * kBlockM;
-        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
-        w.n_blocks = mask.key_blocks(w.row_begin, kBlockM, kBlockN);
+        const auto sched = algo::TileScheduler<Config::kCausal, false>::for_params(prm, kBlockM);
+        const Work w = algo::tile_work<Config::kCausal>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
         if (w.n_blocks <= 0) {
             write_empty_rows(prm, w);
             return;
         }
 
-        // The dynamic shared window is only 16-byte aligned by contract; the swizzle needs 1024.
-        const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-        const uint32_t base = (raw + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1);
+        const uint32_t base = algo::swizzle_aligned_base(smem);
         const Smem s{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
                      base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
         const int warp = threadIdx.x / 32;
         const int lane = threadIdx.x % 32;
 
         if (threadIdx.x == 0) {
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.q));
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.k));
-            ptx::prefetch_tensormap(reinterpret_cast<const ptx::TensorMap*>(&maps.v));
+            algo::prefetch_tma_maps(maps);
             ptx::mbarrier_init(s.barrier(kQFull), 1);
             for (int b = 0; b < 2; ++b) {
                 ptx::mbarrier_init(s.barrier(kSFull0 + b), 1);
@@ -446,7 +426,7 @@ struct Forward {
 
         if (warp < kCorrectionWarp0) {
             ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
-            softmax(prm, s, w, tmem, threadIdx.x);
+            softmax(prm, s, w, tmem, threadIdx.x - kSoftmaxWarp0 * 32);
         } else if (warp < kLoadWarp) {
             ptx::setmaxnreg_dec<Config::kCorrectionRegisters>();
             correct(prm, s, w, tmem, threadIdx.x - kCorrectionWarp0 * 32);

@@ -2,17 +2,17 @@
 // tiled load of a box described by a tensor map into shared memory, completing on an mbarrier.
 // Minimum arch: sm_90.
 //
-// The tensor map is the 128-byte CUtensorMap the host builds with cuTensorMapEncodeTiled. It is
-// passed to the kernel as a `const __grid_constant__` parameter so its generic address may be
-// used directly (kernel parameters live in the constant bank, which TMA can read).
+// The tensor map is the 128-byte CUtensorMap the host builds with cuTensorMapEncodeTiled
+// (FagenTensorMap in params.h, the kernels' ABI). It is passed to the kernel as a
+// `const __grid_constant__` parameter so its generic address may be used directly (kernel
+// parameters live in the constant bank, which TMA can read).
 #pragma once
+#include "fagen/params.h"
 #include "fagen/types.cuh"
 
 namespace fagen::ptx {
 
-struct alignas(64) TensorMap {
-    unsigned long long opaque[16];
-};
+using TensorMap = FagenTensorMap;
 static_assert(sizeof(TensorMap) == 128, "CUtensorMap is 128 bytes");
 
 // Coordinates are innermost first, in elements: (column, row, head, batch).

@@ -10,6 +10,7 @@
 // of fp32 D is TMEM column j; a 16-bit A in TMEM packs elements (2c, 2c+1) of a row into column
 // c. K is 16 per instruction for 16-bit inputs.
 #pragma once
+#include "fagen/ptx/wgmma_desc.cuh"
 #include "fagen/types.cuh"
 
 namespace fagen::ptx {
@@ -38,16 +39,15 @@ namespace fagen::ptx {
 constexpr unsigned long long kTcgen05DescriptorVersion = 1;
 constexpr unsigned long long kTcgen05Swizzle128B = 2;
 
+// Bits 0-45 are laid out as in wgmma's descriptor (wgmma_desc.cuh), and the 128-byte swizzle is
+// the same bit (mode 2 in bits 61-63 is wgmma's mode 1 in bits 62-63): only the version differs.
+static_assert(kTcgen05Swizzle128B << 61 == kWgmmaSwizzle128B << 62);
+
 __device__ __forceinline__ unsigned long long tcgen05_smem_desc_swizzle128(uint32_t smem_addr,
                                                                           uint32_t leading_bytes,
                                                                           uint32_t stride_bytes) {
-    unsigned long long desc = 0;
-    desc |= static_cast<unsigned long long>((smem_addr >> 4) & 0x3FFF);
-    desc |= static_cast<unsigned long long>((leading_bytes >> 4) & 0x3FFF) << 16;
-    desc |= static_cast<unsigned long long>((stride_bytes >> 4) & 0x3FFF) << 32;
-    desc |= kTcgen05DescriptorVersion << 46;
-    desc |= kTcgen05Swizzle128B << 61;
-    return desc;
+    return wgmma_desc_swizzle128(smem_addr, leading_bytes, stride_bytes) |
+           kTcgen05DescriptorVersion << 46;
 }
 
 // ---------------------------------------------------------------- instruction descriptor
