@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
-from .layout import SWIZZLE_ATOM_BYTES, TmaRingLayout, smem_limit_problems
+from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
 
-TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box / wgmma atom is 64 fp16/bf16 columns wide
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
 # head_dim values the tuning table uses.
@@ -29,7 +28,6 @@ REGISTER_OVERHEAD = 32
 # (CUDA C Programming Guide, compute capability 9.0 and "Shared Memory").
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
-MBARRIERS_PER_STAGE = 4  # k_full, k_empty, v_full, v_empty
 MBARRIERS_FOR_Q = 2  # q_full, q_empty
 
 
@@ -49,10 +47,8 @@ class Fa3Geometry(TmaRingLayout):
         return 4 * (self.consumers + (1 if self.warp_specialized else 0))
 
     @property
-    def smem_bytes(self) -> int:
-        barriers = 8 * (MBARRIERS_FOR_Q + MBARRIERS_PER_STAGE * self.stages)
-        # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
-        return self.smem_barrier_offset + barriers + SWIZZLE_ATOM_BYTES
+    def smem_control_bytes(self) -> int:
+        return 8 * (MBARRIERS_FOR_Q + MBARRIERS_PER_STAGE * self.stages)
 
     @property
     def ctas_per_sm(self) -> int:

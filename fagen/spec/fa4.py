@@ -8,17 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import SWIZZLE_ATOM_BYTES, TmaRingLayout, smem_limit_problems
+from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
 
-TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box is 64 fp16/bf16 columns wide
 BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
 # Role warps (templates/include/fagen/fa4/forward.cuh): 4 softmax, 4 correction, then load, MMA
 # and 2 idle warps completing the third warpgroup (setmaxnreg acts on whole warpgroups).
 WARPS = 12
 TMEM_COLUMNS = 512  # TMEM per SM: 128 lanes x 512 columns of 32 bits
 STAGE_RANGE = (2, 6)
-# K and V of one stage: k_full, k_empty, v_full, v_empty.
-MBARRIERS_PER_STAGE = 4
 # q_full, s_full x2, p_full x2, scale_full x2, o_ready, pv_done, stats_full.
 FIXED_MBARRIERS = 10
 # After the mbarriers: the TMEM address (16 bytes keep the floats aligned), then per query row
@@ -51,11 +48,6 @@ class Fa4Geometry(TmaRingLayout):
     def smem_control_bytes(self) -> int:
         barriers = 8 * (FIXED_MBARRIERS + MBARRIERS_PER_STAGE * self.stages)
         return barriers + TMEM_SLOT_BYTES + ROW_FLOATS * self.block_m * 4
-
-    @property
-    def smem_bytes(self) -> int:
-        # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
-        return self.smem_barrier_offset + self.smem_control_bytes + SWIZZLE_ATOM_BYTES
 
     @property
     def tmem_columns_used(self) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 ELEMENT_BYTES = 2  # fp16 / bf16
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
+TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box (and a wgmma atom) is 64 fp16/bf16 columns wide
+MBARRIERS_PER_STAGE = 4  # per K/V ring stage: k_full, k_empty, v_full, v_empty
 
 
 def smem_limit_problems(geometry, max_smem: int) -> list[str]:
@@ -60,3 +62,13 @@ class TmaRingLayout(TileGeometry):
     @property
     def smem_barrier_offset(self) -> int:
         return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
+
+    @property
+    def smem_control_bytes(self) -> int:
+        """The control block after the tiles (each kernel's mbarriers, ...)."""
+        raise NotImplementedError
+
+    @property
+    def smem_bytes(self) -> int:
+        # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
+        return self.smem_barrier_offset + self.smem_control_bytes + SWIZZLE_ATOM_BYTES
