@@ -91,6 +91,8 @@ def _fa3_context(spec: KernelSpec) -> dict:
         "pingpong": g.pingpong,
         "intra_wg_overlap": g.intra_wg_overlap,
         "persistent": g.persistent,
+        "early_first_qk": g.early_first_qk,
+        "q_stages": g.q_stages,
         "producer_registers": PRODUCER_REGISTERS,
         "consumer_registers": g.consumer_registers,
         "ctas_per_sm": g.ctas_per_sm,

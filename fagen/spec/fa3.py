@@ -28,7 +28,7 @@ REGISTER_OVERHEAD = 32
 # (CUDA C Programming Guide, compute capability 9.0 and "Shared Memory").
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
-MBARRIERS_FOR_Q = 2  # q_full, q_empty
+MBARRIERS_PER_Q_STAGE = 2  # q_full, q_empty
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Fa3Geometry(TmaRingLayout):
     pingpong: bool
     intra_wg_overlap: bool
     persistent: bool
+    early_first_qk: bool
 
     @property
     def consumers(self) -> int:
@@ -47,8 +48,16 @@ class Fa3Geometry(TmaRingLayout):
         return 4 * (self.consumers + (1 if self.warp_specialized else 0))
 
     @property
+    def q_stages(self) -> int:
+        """early_first_qk issues a tile's first Q K^T before the previous tile's epilogue, so
+        that tile's Q must be in shared memory by then: with one Q buffer it is loaded only
+        after the previous tile's last Q K^T, and the epilogue waited for it (run 44: -2...-6 %
+        at hd64). A second buffer lets the producer load it a whole tile ahead."""
+        return 2 if self.early_first_qk else 1
+
+    @property
     def smem_control_bytes(self) -> int:
-        return 8 * (MBARRIERS_FOR_Q + MBARRIERS_PER_STAGE * self.stages)
+        return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + MBARRIERS_PER_STAGE * self.stages)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -98,6 +107,10 @@ class Fa3Geometry(TmaRingLayout):
             )
         if self.persistent and not self.warp_specialized:
             out.append("tile.persistent: needs warp_specialized (the producer loads the next tile)")
+        if self.early_first_qk and not (self.persistent and self.intra_wg_overlap
+                                        and not self.pingpong):
+            out.append("tile.early_first_qk: needs persistent and intra_wg_overlap, without "
+                       "pingpong (a consumer issues the next tile's first Q K^T on its own)")
         if self.pingpong and self.consumers != 2:
             out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
         if not (2 <= self.stages <= 4):

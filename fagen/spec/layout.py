@@ -39,17 +39,25 @@ class TileGeometry:
 
 @dataclass(frozen=True)
 class TmaRingLayout(TileGeometry):
-    """Shared memory of the TMA kernels: Q, then `stages` K tiles, then `stages` V tiles, then
-    the control block (mbarriers, ...); every offset stays a multiple of SWIZZLE_ATOM_BYTES
-    because block_m, block_n are multiples of 8 and head_dim of 64."""
+    """Shared memory of the TMA kernels: `q_stages` Q tiles, then `stages` K tiles, then
+    `stages` V tiles, then the control block (mbarriers, ...); every offset stays a multiple of
+    SWIZZLE_ATOM_BYTES because block_m, block_n are multiples of 8 and head_dim of 64."""
+
+    @property
+    def q_stages(self) -> int:
+        return 1
 
     @property
     def smem_q_offset(self) -> int:
         return 0
 
     @property
-    def smem_k_offset(self) -> int:
+    def smem_q_tile_bytes(self) -> int:
         return self.block_m * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_k_offset(self) -> int:
+        return self.q_stages * self.smem_q_tile_bytes
 
     @property
     def smem_kv_tile_bytes(self) -> int:

@@ -28,6 +28,9 @@ class TileConfig(BaseModel):
     pingpong: bool = Field(False, description="FA3: consumer warpgroups take turns on the MMAs")
     intra_wg_overlap: bool = Field(False, description="FA3: softmax overlaps the next Q K^T")
     persistent: bool = Field(False, description="FA3: one CTA per SM walks many tiles")
+    early_first_qk: bool = Field(
+        False, description="FA3, persistent with intra_wg_overlap: a tile's first Q K^T runs "
+        "under the previous tile's epilogue (a second S accumulator)")
     exp2_emulation: float | None = Field(
         None, description="fraction 1/k of the softmax exponentials computed by a "
         "polynomial on the FMA pipe (every k-th column pair); omit for hardware exp2 only")
@@ -37,7 +40,7 @@ class TileConfig(BaseModel):
 
     FLAG_SUFFIXES: ClassVar[dict[str, str]] = {
         "warp_specialized": "ws", "pingpong": "pp", "intra_wg_overlap": "ov", "persistent": "ps",
-        "exp2_emulation": "e2p", "rescale_threshold": "rt"}
+        "early_first_qk": "fq", "exp2_emulation": "e2p", "rescale_threshold": "rt"}
 
     @model_serializer(mode="wrap")
     def _omit_default_options(self, handler):

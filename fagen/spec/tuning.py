@@ -33,6 +33,7 @@ class TuningRow:
     pingpong: bool = False
     intra_wg_overlap: bool = False
     persistent: bool = False
+    early_first_qk: bool = False
     exp2_emulation: float | None = None
     rescale_threshold: float | None = None
     causal: bool | None = None  # None: the row serves both masks
@@ -41,7 +42,8 @@ class TuningRow:
     def tile_fields(self) -> dict:
         fields = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
                   "stages": self.stages}
-        for flag in ("warp_specialized", "pingpong", "intra_wg_overlap", "persistent"):
+        for flag in ("warp_specialized", "pingpong", "intra_wg_overlap", "persistent",
+                     "early_first_qk"):
             if getattr(self, flag):
                 fields[flag] = True
         for option in ("exp2_emulation", "rescale_threshold"):
@@ -79,6 +81,15 @@ TABLE: tuple[TuningRow, ...] = (
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
     # of 2026-11-30 (runs 11-30, docs/performance.md), ratios to cuDNN in the same run; rows
     # with max_seqlen_k serve calls with at most that many keys. ----
+    TuningRow(3, 64, 128, 128, 12, 3,
+              "non-causal up to 512 keys, where a tile is only 4 key blocks: early_first_qk (the "
+              "next tile's first Q K^T runs under this tile's epilogue) with three K/V stages, "
+              "so that the next tile's first K has landed by then (with two it loses 5-10 %, "
+              "run 47 sweep16): 388 against 369 (three stages without it) and 360 TFLOP/s (the "
+              "two-stage row below) in sweep16, 374 against 358 in the bundle (run 48); at 1k "
+              "+1 % in the sweep, -3 % in the bundle, so 1k keeps the row below",
+              warp_specialized=True, intra_wg_overlap=True, persistent=True, early_first_qk=True,
+              causal=False, max_seqlen_k=512),
     TuningRow(3, 64, 128, 128, 12, 2,
               "short non-causal rows: 128-row tiles waste less of the last query block than "
               "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "

@@ -158,13 +158,15 @@ def test_every_kernel_of_the_bundle(bundle, size):
 
 
 @pytest.mark.parametrize("seqlen", (1000, 1100), ids=("8qblocks", "9qblocks"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("head_dim", (64, 128))
-def test_causal_with_more_work_than_two_rounds(bundle, head_dim, seqlen):
-    # Persistent causal kernels walk pair items round-robin (algo/tile_scheduler.cuh); the small
-    # sizes above fit in one round. 80 heads x 4-5 pair items = 320-400 items: two to three
-    # rounds on the H200's 132 SMs, an even and an odd number of query blocks of 128 rows (the
-    # odd one has a middle block paired with itself).
-    check_case(bundle, 4, seqlen, seqlen, 20, 20, head_dim, torch.bfloat16, True)
+def test_more_work_than_two_rounds(bundle, head_dim, causal, seqlen):
+    # Persistent kernels walk tiles (causal: pair items) round-robin (algo/tile_scheduler.cuh),
+    # and early_first_qk kernels issue each tile's first Q K^T before the previous tile's
+    # epilogue; the small sizes above fit in one round. 80 heads x 8-9 tiles (4-5 pair items):
+    # two to five rounds on the H200's 132 SMs, an even and an odd number of query blocks of 128
+    # rows (the odd one has a middle block paired with itself).
+    check_case(bundle, 4, seqlen, seqlen, 20, 20, head_dim, torch.bfloat16, causal)
 
 
 @pytest.mark.parametrize("heads", ((8, 1), (8, 4)), ids=("mqa8to1", "gqa2to1"))

@@ -256,3 +256,35 @@ def test_fa3_three_consumers_reject_a_block_that_needs_more_than_160_registers()
     text = error_text(fa_version=3, arch="sm90a", head_dim=128,
                       tile={**FA3_TILE, "block_m": 192, "warps": 16})
     assert "registers" in text and "160" in text
+
+
+EARLY_FIRST_QK_TILE = {**FA3_TILE, "block_m": 128, "warps": 12, "persistent": True,
+                       "early_first_qk": True}
+
+
+def test_fa3_early_first_qk_is_named_and_loads_q_a_tile_ahead():
+    early = spec(fa_version=3, arch="sm90a", head_dim=64, tile=EARLY_FIRST_QK_TILE)
+    plain = spec(fa_version=3, arch="sm90a", head_dim=64,
+                 tile={**EARLY_FIRST_QK_TILE, "early_first_qk": False})
+    assert "_fq_" in early.name and "_fq" not in plain.name
+    q_tile = 128 * 64 * 2
+    assert (early.geometry.q_stages, early.geometry.smem_k_offset) == (2, 2 * q_tile)
+    assert (plain.geometry.q_stages, plain.geometry.smem_k_offset) == (1, q_tile)
+    # Two more mbarriers (the second Q stage's full and empty).
+    assert early.geometry.smem_bytes == plain.geometry.smem_bytes + q_tile + 2 * 8
+
+
+@pytest.mark.parametrize("missing", [{"persistent": False}, {"intra_wg_overlap": False},
+                                     {"pingpong": True}], ids=("persistent", "overlap", "pingpong"))
+def test_fa3_early_first_qk_needs_a_persistent_overlapped_tile_without_pingpong(missing):
+    text = error_text(fa_version=3, arch="sm90a", head_dim=64,
+                      tile={**EARLY_FIRST_QK_TILE, **missing})
+    assert "early_first_qk" in text
+
+
+def test_fa3_early_first_qk_is_refused_where_a_second_q_buffer_does_not_fit():
+    tile = {**EARLY_FIRST_QK_TILE, "block_n": 64}
+    assert spec(fa_version=3, arch="sm90a", head_dim=256,
+                tile={**tile, "early_first_qk": False}).geometry.smem_bytes < 227 * 1024
+    text = error_text(fa_version=3, arch="sm90a", head_dim=256, tile=tile)
+    assert "shared memory" in text

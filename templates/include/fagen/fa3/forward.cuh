@@ -13,10 +13,13 @@
 // Without warp specialization the consumers are the whole CTA and thread 0 issues the loads
 // between its own MMAs. Persistent kernels (kPersistent, warp-specialized only) walk several
 // tiles per CTA: the producer loads the next tile's Q and K/V while the consumers still compute
-// and store the current one; ring positions and barrier phases run on across tiles.
+// and store the current one; ring positions and barrier phases run on across tiles. With
+// kEarlyFirstQk a consumer also issues the next tile's first Q K^T before this tile's epilogue
+// (S is free once the last P is in registers), so that the tensor cores work through it.
 //
-// Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): Q, then kStages K
-// tiles, then kStages V tiles, then the mbarriers. A tile of R rows x head_dim columns is
+// Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): kQStages Q tiles (two
+// with kEarlyFirstQk, so that the next tile's Q is loaded a tile ahead), then kStages K tiles,
+// then kStages V tiles, then the mbarriers. A tile of R rows x head_dim columns is
 // head_dim/64 column chunks, each R rows of 128 bytes, as TMA writes them.
 #pragma once
 
@@ -53,6 +56,7 @@ struct Forward {
     static constexpr int kBlockM = Config::kBlockM;
     static constexpr int kBlockN = Config::kBlockN;
     static constexpr int kStages = Config::kStages;
+    static constexpr int kQStages = Config::kQStages;
     static constexpr int kConsumers = kBlockM / 64;
     static constexpr int kConsumerThreads = kConsumers * 128;
     static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks
@@ -72,24 +76,29 @@ struct Forward {
     static_assert(Config::kSmemQOffset % kSwizzleAtomBytes == 0 &&
                   Config::kSmemKOffset % kSwizzleAtomBytes == 0 &&
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
-    static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQBytes);
+    static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQStages * kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
     static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
     static_assert(!Config::kPersistent || Config::kWarpSpecialized,
                   "only a producer warpgroup can load the next tile ahead");
+    static_assert(!Config::kEarlyFirstQk || (Config::kPersistent &&
+                                             Config::kIntraWarpgroupOverlap && !Config::kPingpong),
+                  "the next tile's first Q K^T needs a next tile and the overlapped loop, and "
+                  "goes out outside the ping-pong turns");
 
     struct Smem {
         uint32_t q, k, v;  // shared addresses of the tiles
         uint32_t bar;      // first mbarrier
 
-        // mbarriers, 8 bytes each: q_full, q_empty, then per stage k_full, k_empty, v_full,
-        // v_empty.
-        __device__ uint32_t q_full() const { return bar; }
-        __device__ uint32_t q_empty() const { return bar + 8; }
-        __device__ uint32_t k_full(int s) const { return bar + 8 * (2 + 4 * s); }
-        __device__ uint32_t k_empty(int s) const { return bar + 8 * (3 + 4 * s); }
-        __device__ uint32_t v_full(int s) const { return bar + 8 * (4 + 4 * s); }
-        __device__ uint32_t v_empty(int s) const { return bar + 8 * (5 + 4 * s); }
+        // mbarriers, 8 bytes each: per Q stage q_full, q_empty, then per K/V stage k_full,
+        // k_empty, v_full, v_empty.
+        __device__ uint32_t q_full(int q) const { return bar + 8 * (2 * q); }
+        __device__ uint32_t q_empty(int q) const { return bar + 8 * (2 * q + 1); }
+        __device__ uint32_t k_full(int s) const { return bar + 8 * (2 * kQStages + 4 * s); }
+        __device__ uint32_t k_empty(int s) const { return bar + 8 * (2 * kQStages + 1 + 4 * s); }
+        __device__ uint32_t v_full(int s) const { return bar + 8 * (2 * kQStages + 2 + 4 * s); }
+        __device__ uint32_t v_empty(int s) const { return bar + 8 * (2 * kQStages + 3 + 4 * s); }
+        __device__ uint32_t q_tile(int q) const { return this->q + q * kQBytes; }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
         __device__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
     };
@@ -103,14 +112,22 @@ struct Forward {
         return algo::tile_work<Config::kCausal>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
+    // The Q stage of the tile that follows `tile_count` tiles of this CTA, and the phase parity
+    // of its q_full barrier.
+    static __device__ __forceinline__ int q_stage(int tile_count) { return tile_count % kQStages; }
+    static __device__ __forceinline__ uint32_t q_parity(int tile_count) {
+        return static_cast<uint32_t>((tile_count / kQStages) & 1);
+    }
+
     // ---------------------------------------------------------------- producer
-    // Q of a tile, once the consumers released the previous tile's Q (`tile_count` = tiles this
-    // CTA loaded before).
+    // Q of a tile, once the consumers released the Q stage's previous tile (`tile_count` =
+    // tiles this CTA loaded before).
     static __device__ __forceinline__ void load_q(const FagenTmaMaps& maps, const Smem& s,
                                                   const Work& w, int tile_count) {
-        ptx::mbarrier_wait_parity(s.q_empty(), (tile_count & 1) ^ 1);
-        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.q_full(), w.row_begin, w.head,
-                                     w.batch);
+        const int q = q_stage(tile_count);
+        ptx::mbarrier_wait_parity(s.q_empty(q), q_parity(tile_count) ^ 1);
+        algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.row_begin,
+                                     w.head, w.batch);
     }
 
     // K and V of the j-th visited key block of a tile into ring position `ring` (slot
@@ -138,8 +155,8 @@ struct Forward {
         unsigned long long v;  // B of P V: V tile read MN-major (N = head_dim contiguous)
     };
 
-    static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer) {
-        return {ptx::wgmma_desc_swizzle128(s.q + consumer * 64 * 128, 16, kSwizzleAtomBytes),
+    static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer, int q) {
+        return {ptx::wgmma_desc_swizzle128(s.q_tile(q) + consumer * 64 * 128, 16, kSwizzleAtomBytes),
                 ptx::wgmma_desc_swizzle128(s.k, 16, kSwizzleAtomBytes),
                 ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
     }
@@ -210,15 +227,22 @@ struct Forward {
 
     // One tile's main loop and epilogue for one consumer. `ring_base` is the ring position of
     // the tile's first key block and `tile_count` the number of tiles this CTA ran before.
+    // kEarlyFirstQk: S lives in the caller's `tile_acc_s`, into which the tile's first Q K^T was
+    // issued already, and `issue_next_first_qk(slot, parity, last_slot)` issues the next
+    // tile's once this tile's last P V is out (S is free then: the last P is in registers); the
+    // other kernels keep S to themselves and ignore both.
+    template <class IssueNextFirstQk>
     static __device__ void consume(const FagenFwdParams& prm, const FagenTmaMaps& maps,
                                    const Smem& s, const Work& w, int consumer, int thread,
-                                   int ring_base, int tile_count) {
+                                   int ring_base, int tile_count, float (&tile_acc_s)[1][kSTiles][4],
+                                   IssueNextFirstQk&& issue_next_first_qk) {
         const int warp = thread / 32;  // within the warpgroup
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
         const bool issues_loads = !Config::kWarpSpecialized && consumer == 0 && thread == 0;
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
-        const Descriptors desc = descriptors(s, consumer);
+        const int q = q_stage(tile_count);
+        const Descriptors desc = descriptors(s, consumer, q);
         auto slot_of = [&](int j) { return (ring_base + j) % kStages; };
         auto parity_of = [&](int j) { return static_cast<uint32_t>(((ring_base + j) / kStages) & 1); };
 
@@ -226,7 +250,8 @@ struct Forward {
         algo::clear_fragment(acc_o);
         algo::OnlineSoftmax<1, Config> softmax;  // Config carries the softmax options
         softmax.init();
-        float acc_s[1][kSTiles][4];
+        float own_acc_s[1][kSTiles][4];
+        float(&acc_s)[1][kSTiles][4] = Config::kEarlyFirstQk ? tile_acc_s : own_acc_s;
         uint32_t p[kPSteps][4];
         float rescale[1][2];
 
@@ -235,7 +260,10 @@ struct Forward {
             for (int j = 0; j < kStages - 1 && j < w.n_blocks; ++j) load_kv(maps, s, w, j, j);
         }
         __syncwarp();  // the loading lane rejoins its warp before the .aligned wgmma ops
-        ptx::mbarrier_wait_parity(s.q_full(), tile_count & 1);
+        // kEarlyFirstQk: waited for before the tile's first Q K^T went out.
+        if constexpr (!Config::kEarlyFirstQk) {
+            ptx::mbarrier_wait_parity(s.q_full(q), q_parity(tile_count));
+        }
 
         // S = Q K^T of block j, masked and turned into probabilities; O rescaled unless its
         // P V is still in flight (then the caller rescales after waiting).
@@ -253,7 +281,7 @@ struct Forward {
         // epilogue instead of after them.
         auto release_k = [&](int j) {
             ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
-            if (j == w.n_blocks - 1) ptx::mbarrier_arrive(s.q_empty());
+            if (j == w.n_blocks - 1) ptx::mbarrier_arrive(s.q_empty(q));
         };
 
         if constexpr (Config::kIntraWarpgroupOverlap) {
@@ -266,11 +294,13 @@ struct Forward {
             // and in the same block as the softmax it went ahead of all of it (SASS of hd128
             // m128n160: the wait right before the first row-max instruction, no exp2 under
             // the P V), which left the overlap on paper only.
-            ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
-            wait_turn(consumer);
-            ptx::wgmma_fence();
-            issue_qk(acc_s[0], desc, slot_of(0));
-            pass_turn(consumer);
+            if constexpr (!Config::kEarlyFirstQk) {
+                ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
+                wait_turn(consumer);
+                ptx::wgmma_fence();
+                issue_qk(acc_s[0], desc, slot_of(0));
+                pass_turn(consumer);
+            }
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_s[0]);
             release_k(0);
@@ -303,7 +333,13 @@ struct Forward {
             const int last = w.n_blocks - 1;
             rescale_under_mma(acc_o, rescale);
             issue_pv(acc_o[0], p, desc, slot_of(last));
-            ptx::wgmma_wait_group<0>();
+            if constexpr (Config::kEarlyFirstQk) {
+                // The next tile's first block sits right after this tile's last in the ring.
+                issue_next_first_qk(slot_of(w.n_blocks), parity_of(w.n_blocks), slot_of(last));
+                ptx::wgmma_wait_group<1>();  // this P V; the next Q K^T runs on
+            } else {
+                ptx::wgmma_wait_group<0>();
+            }
             fence_accumulators(acc_o[0]);
             ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
         } else {
@@ -420,19 +456,96 @@ struct Forward {
         }
     }
 
+    // `value` (the same in every lane) as a value ptxas knows to be warp-uniform: a broadcast
+    // from lane 0 (CUTLASS's idiom). In the kEarlyFirstQk tile walk the consumer index derived
+    // from threadIdx.x was not known to be, so the Q descriptor built from it sat in ordinary
+    // registers and every wgmma moved it into uniform ones: 15 more instructions per main-loop
+    // iteration (run 46). The other kernels keep the plain index: broadcast there too, it cut
+    // 6-24 instructions from their main loops but measured -2...-5 % at head dims 128/256, 2k-4k
+    // keys (run 47).
+    static __device__ __forceinline__ int warp_uniform(int value) {
+        return __shfl_sync(0xffffffffu, value, 0);
+    }
+
+    // The tile walk of kEarlyFirstQk kernels: each tile's first Q K^T goes out before the
+    // previous tile's epilogue, so the next tile with keys is looked up at that point. Rows
+    // without keys are written in a pass of their own afterwards, outside the loop: entry 25 of
+    // docs/performance.md found that their thread-dependent store loop inside a tile walk made
+    // ptxas keep the ring state in ordinary instead of uniform registers.
+    static __device__ void consume_tiles_early_first_qk(const FagenFwdParams& prm,
+                                                        const FagenTmaMaps& maps, const Smem& s,
+                                                        const Scheduler& sched, int consumer,
+                                                        int thread) {
+        auto find_tile_with_keys = [&](int& index, Work& w) {
+            for (; index < sched.end(); index = sched.next(index)) {
+                w = work_for(prm, sched, index);
+                if (w.n_blocks > 0) return true;
+            }
+            return false;
+        };
+        float acc_s[1][kSTiles][4];
+        int index = sched.first();
+        Work w;
+        if (find_tile_with_keys(index, w)) {
+            ptx::mbarrier_wait_parity(s.q_full(0), 0);
+            ptx::mbarrier_wait_parity(s.k_full(0), 0);
+            ptx::wgmma_fence();
+            issue_qk(acc_s[0], descriptors(s, consumer, 0), 0);
+            int ring = 0, tile_count = 0;
+            while (true) {
+                int next_index;
+                Work next;
+                bool has_next;
+                // Issued whether or not a next tile exists, then on this tile's last K (the
+                // producer has nothing left to load over it): a wgmma issued on one path only
+                // leaves ptxas unsure which accumulators are in flight after the paths join,
+                // and it serializes the epilogue with an injected wait (C7517).
+                auto issue_next_first_qk = [&](int slot, uint32_t parity, int last_slot) {
+                    next_index = sched.next(index);
+                    has_next = find_tile_with_keys(next_index, next);
+                    const int q = q_stage(tile_count + (has_next ? 1 : 0));
+                    if (has_next) {
+                        ptx::mbarrier_wait_parity(s.q_full(q), q_parity(tile_count + 1));
+                        ptx::mbarrier_wait_parity(s.k_full(slot), parity);
+                    }
+                    ptx::wgmma_fence();
+                    issue_qk(acc_s[0], descriptors(s, consumer, q), has_next ? slot : last_slot);
+                };
+                consume(prm, maps, s, w, consumer, thread, ring, tile_count, acc_s,
+                        issue_next_first_qk);
+                if (!has_next) break;
+                ring += w.n_blocks;
+                ++tile_count;
+                w = next;
+                index = next_index;
+            }
+            ptx::wgmma_wait_group<0>();  // the Q K^T issued after the last tile
+        }
+        if constexpr (Config::kCausal) {
+            for (int i = sched.first(); i < sched.end(); i = sched.next(i)) {
+                const Work empty = work_for(prm, sched, i);
+                if (empty.n_blocks <= 0) write_empty_rows(prm, empty, consumer * 128 + thread);
+            }
+        }
+    }
+
     static __device__ void consume_tiles(const FagenFwdParams& prm, const FagenTmaMaps& maps,
                                          char* smem, int consumer, int thread) {
         const Smem s = smem_layout(smem);
         const Scheduler sched = scheduler(prm);
         if (Config::kPingpong && consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+        float unused_acc[1][kSTiles][4];
+        auto no_early_qk = [](int, uint32_t, int) {};
         // A one-tile kernel carries no loop state through its main loop (registers are tight).
         if constexpr (!Config::kPersistent) {
             const Work w = work_for(prm, sched, sched.first());
             if (w.n_blocks <= 0) {
                 write_empty_rows(prm, w, consumer * 128 + thread);
             } else {
-                consume(prm, maps, s, w, consumer, thread, 0, 0);
+                consume(prm, maps, s, w, consumer, thread, 0, 0, unused_acc, no_early_qk);
             }
+        } else if constexpr (Config::kEarlyFirstQk) {
+            consume_tiles_early_first_qk(prm, maps, s, sched, warp_uniform(consumer), thread);
         } else {
             int ring = 0, tile_count = 0;
             for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
@@ -441,7 +554,8 @@ struct Forward {
                     write_empty_rows(prm, w, consumer * 128 + thread);
                     continue;
                 }
-                consume(prm, maps, s, w, consumer, thread, ring, tile_count++);
+                consume(prm, maps, s, w, consumer, thread, ring, tile_count++, unused_acc,
+                        no_early_qk);
                 ring += w.n_blocks;
             }
         }
@@ -457,8 +571,10 @@ struct Forward {
         if (threadIdx.x == 0) {
             const Smem s = smem_layout(smem);
             algo::prefetch_tma_maps(maps);
-            ptx::mbarrier_init(s.q_full(), 1);
-            ptx::mbarrier_init(s.q_empty(), kConsumerThreads);
+            for (int q = 0; q < kQStages; ++q) {
+                ptx::mbarrier_init(s.q_full(q), 1);
+                ptx::mbarrier_init(s.q_empty(q), kConsumerThreads);
+            }
             for (int st = 0; st < kStages; ++st) {
                 ptx::mbarrier_init(s.k_full(st), 1);
                 ptx::mbarrier_init(s.v_full(st), 1);
