@@ -92,6 +92,7 @@ def _fa3_context(spec: KernelSpec) -> dict:
         "intra_wg_overlap": g.intra_wg_overlap,
         "persistent": g.persistent,
         "early_first_qk": g.early_first_qk,
+        "peel_masked_blocks": g.peel_masked_blocks,
         "q_stages": g.q_stages,
         "producer_registers": PRODUCER_REGISTERS,
         "consumer_registers": g.consumer_registers,

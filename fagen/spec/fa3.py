@@ -38,6 +38,7 @@ class Fa3Geometry(TmaRingLayout):
     intra_wg_overlap: bool
     persistent: bool
     early_first_qk: bool
+    peel_masked_blocks: bool
 
     @property
     def consumers(self) -> int:
@@ -111,6 +112,8 @@ class Fa3Geometry(TmaRingLayout):
                                         and not self.pingpong):
             out.append("tile.early_first_qk: needs persistent and intra_wg_overlap, without "
                        "pingpong (a consumer issues the next tile's first Q K^T on its own)")
+        if self.peel_masked_blocks and not self.intra_wg_overlap:
+            out.append("tile.peel_masked_blocks: needs intra_wg_overlap (the loop it splits)")
         if self.pingpong and self.consumers != 2:
             out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
         if not (2 <= self.stages <= 4):

@@ -30,7 +30,10 @@ class TileConfig(BaseModel):
     persistent: bool = Field(False, description="FA3: one CTA per SM walks many tiles")
     early_first_qk: bool = Field(
         False, description="FA3, persistent with intra_wg_overlap: a tile's first Q K^T runs "
-        "under the previous tile's epilogue (a second S accumulator)")
+        "under the previous tile's epilogue (two Q buffers)")
+    peel_masked_blocks: bool = Field(
+        False, description="FA3 with intra_wg_overlap: the key blocks that may need a mask run in "
+        "a loop of their own, so that the main loop carries no mask code")
     exp2_emulation: float | None = Field(
         None, description="fraction 1/k of the softmax exponentials computed by a "
         "polynomial on the FMA pipe (every k-th column pair); omit for hardware exp2 only")
@@ -40,7 +43,8 @@ class TileConfig(BaseModel):
 
     FLAG_SUFFIXES: ClassVar[dict[str, str]] = {
         "warp_specialized": "ws", "pingpong": "pp", "intra_wg_overlap": "ov", "persistent": "ps",
-        "early_first_qk": "fq", "exp2_emulation": "e2p", "rescale_threshold": "rt"}
+        "early_first_qk": "fq", "peel_masked_blocks": "pm", "exp2_emulation": "e2p",
+        "rescale_threshold": "rt"}
 
     @model_serializer(mode="wrap")
     def _omit_default_options(self, handler):

@@ -34,6 +34,7 @@ class TuningRow:
     intra_wg_overlap: bool = False
     persistent: bool = False
     early_first_qk: bool = False
+    peel_masked_blocks: bool = False
     exp2_emulation: float | None = None
     rescale_threshold: float | None = None
     causal: bool | None = None  # None: the row serves both masks
@@ -43,7 +44,7 @@ class TuningRow:
         fields = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
                   "stages": self.stages}
         for flag in ("warp_specialized", "pingpong", "intra_wg_overlap", "persistent",
-                     "early_first_qk"):
+                     "early_first_qk", "peel_masked_blocks"):
             if getattr(self, flag):
                 fields[flag] = True
         for option in ("exp2_emulation", "rescale_threshold"):
@@ -81,6 +82,10 @@ TABLE: tuple[TuningRow, ...] = (
     # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
     # of 2026-11-30 (runs 11-30, docs/performance.md), ratios to cuDNN in the same run; rows
     # with max_seqlen_k serve calls with at most that many keys. ----
+    # Head dim 64 peels the key blocks that may need a mask out of the main loop
+    # (peel_masked_blocks): 1.00-1.03x the one-loop kernels at 1k-16k, both masks, in run 54;
+    # head dims 128 and 256 measured 0.94-1.02x with it (the ping-pong tiles lowest) and keep
+    # one loop.
     TuningRow(3, 64, 128, 128, 12, 3,
               "non-causal up to 512 keys, where a tile is only 4 key blocks: early_first_qk (the "
               "next tile's first Q K^T runs under this tile's epilogue) with three K/V stages, "
@@ -89,27 +94,30 @@ TABLE: tuple[TuningRow, ...] = (
               "two-stage row below) in sweep16, 374 against 358 in the bundle (run 48); at 1k "
               "+1 % in the sweep, -3 % in the bundle, so 1k keeps the row below",
               warp_specialized=True, intra_wg_overlap=True, persistent=True, early_first_qk=True,
-              causal=False, max_seqlen_k=512),
+              peel_masked_blocks=True, causal=False, max_seqlen_k=512),
     TuningRow(3, 64, 128, 128, 12, 2,
               "short non-causal rows: 128-row tiles waste less of the last query block than "
               "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
               "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9). "
               "64-row tiles with two CTAs per SM measured below it at 512-4k (338 vs 350 at 512, "
               "run 23, sweep11)",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=False,
+              warp_specialized=True, intra_wg_overlap=True, persistent=True,
+              peel_masked_blocks=True, causal=False,
               max_seqlen_k=1024),
     TuningRow(3, 64, 128, 128, 12, 3,
               "causal up to 512 keys: a third K/V stage (113 KB smem) measured 240/242 against "
               "235/237 TFLOP/s for two stages (+2 %, two repeats, run 30 sweep14; +1 % in the "
               "shipped bundle, run 31) and equal at 1k; why only the shortest rows gain is not "
               "established",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
+              warp_specialized=True, intra_wg_overlap=True, persistent=True,
+              peel_masked_blocks=True, causal=True,
               max_seqlen_k=512),
     TuningRow(3, 64, 128, 128, 12, 2,
               "causal up to 4k: 304/370/406 TFLOP/s at 1k/2k/4k (0.91/0.98/0.98x cuDNN) against "
               "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
               "that the overlap inside a warpgroup works (run 20, sweep9)",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
+              warp_specialized=True, intra_wg_overlap=True, persistent=True,
+              peel_masked_blocks=True, causal=True,
               max_seqlen_k=4096),
     TuningRow(3, 64, 192, 128, 16, 2,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 regs) keep 12 "
@@ -117,7 +125,8 @@ TABLE: tuple[TuningRow, ...] = (
               "persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
               "(0.98/1.00/1.07x cuDNN) against 429/449/452 for m128n128; causal 8k 449 against "
               "431; 89 KB smem",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True),
+              warp_specialized=True, intra_wg_overlap=True, persistent=True,
+              peel_masked_blocks=True),
     TuningRow(3, 128, 128, 128, 12, 2,
               "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
               "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "

@@ -288,3 +288,11 @@ def test_fa3_early_first_qk_is_refused_where_a_second_q_buffer_does_not_fit():
                 tile={**tile, "early_first_qk": False}).geometry.smem_bytes < 227 * 1024
     text = error_text(fa_version=3, arch="sm90a", head_dim=256, tile=tile)
     assert "shared memory" in text
+
+
+def test_fa3_peel_masked_blocks_is_named_and_needs_the_overlapped_loop():
+    tile = {**FA3_TILE, "block_m": 128, "warps": 12, "peel_masked_blocks": True}
+    assert "_ov_pm_" in spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile).name
+    text = error_text(fa_version=3, arch="sm90a", head_dim=64,
+                      tile={**tile, "intra_wg_overlap": False})
+    assert "peel_masked_blocks" in text

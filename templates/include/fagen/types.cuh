@@ -7,4 +7,10 @@ namespace fagen {
 using uint32_t = unsigned int;
 static_assert(sizeof(uint32_t) == 4, "uint32_t must be 32 bits");
 
+// A compile-time bool passed as a value, to instantiate one lambda body twice.
+template <bool kValue>
+struct BoolConstant {
+    static constexpr bool value = kValue;
+};
+
 }  // namespace fagen

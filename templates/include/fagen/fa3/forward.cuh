@@ -81,6 +81,8 @@ struct Forward {
     static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
     static_assert(!Config::kPersistent || Config::kWarpSpecialized,
                   "only a producer warpgroup can load the next tile ahead");
+    static_assert(!Config::kPeelMaskedBlocks || Config::kIntraWarpgroupOverlap,
+                  "the masked blocks are peeled in the overlapped loop");
     static_assert(!Config::kEarlyFirstQk || (Config::kPersistent &&
                                              Config::kIntraWarpgroupOverlap && !Config::kPingpong),
                   "the next tile's first Q K^T needs a next tile and the overlapped loop, and "
@@ -267,10 +269,12 @@ struct Forward {
 
         // S = Q K^T of block j, masked and turned into probabilities; O rescaled unless its
         // P V is still in flight (then the caller rescales after waiting).
-        auto scores = [&](int j, bool pv_in_flight) {
+        auto scores = [&](int j, bool pv_in_flight, auto may_need_mask) {
             const int n_block = w.n_blocks - 1 - j;
-            if (mask.block_needs_mask(n_block, w.row_begin + warp_row, kBlockN)) {
-                mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
+            if constexpr (decltype(may_need_mask)::value) {
+                if (mask.block_needs_mask(n_block, w.row_begin + warp_row, kBlockN)) {
+                    mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
+                }
             }
             softmax.update(acc_s, rescale, prm.scale_log2);
             if (!pv_in_flight) algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
@@ -304,10 +308,10 @@ struct Forward {
             ptx::wgmma_wait_group<0>();
             fence_accumulators(acc_s[0]);
             release_k(0);
-            scores(0, true);
+            scores(0, true, BoolConstant<true>{});
             ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
             convert_p(acc_s[0], p);
-            for (int j = 1; j < w.n_blocks; ++j) {
+            auto iteration = [&](int j, auto may_need_mask) {
                 // Slot (j-2) % kStages is free: K_{j-2} and V_{j-2} were released last iteration.
                 if (issues_loads && j + kStages - 2 < w.n_blocks) {
                     load_kv(maps, s, w, j + kStages - 2, j + kStages - 2);
@@ -323,12 +327,25 @@ struct Forward {
                 ptx::wgmma_wait_group<1>();
                 fence_accumulators(acc_s[0]);
                 release_k(j);
-                scores(j, true);
+                scores(j, true, may_need_mask);
                 ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_o[0]);
                 ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
                 convert_p(acc_s[0], p);
+            };
+            int j = 1;
+            if constexpr (Config::kPeelMaskedBlocks) {
+                // Iterations j < masked_end may hold masked keys for some row of the tile (the
+                // visited blocks run from the last key block down); each warp still asks for its
+                // own rows there. The loop after them has no mask code at all. Counted from the
+                // tile's first row, not the warp's: a bound that differs between warps made the
+                // loop counter, and with it the ring slots and phases, non-uniform (run 53).
+                const int masked_end = mask.masked_key_blocks(w.n_blocks, w.row_begin, kBlockN);
+                for (; j < masked_end; ++j) iteration(j, BoolConstant<true>{});
+                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<false>{});
+            } else {
+                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
             }
             const int last = w.n_blocks - 1;
             rescale_under_mma(acc_o, rescale);
@@ -357,7 +374,7 @@ struct Forward {
                 ptx::wgmma_wait_group<0>();
                 fence_accumulators(acc_s[0]);
                 release_k(j);
-                scores(j, false);
+                scores(j, false, BoolConstant<true>{});
                 convert_p(acc_s[0], p);
                 ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
                 fence_accumulators(acc_o[0]);
