@@ -13,7 +13,7 @@ kernels; they never make a call fail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 from .algorithms import algorithm_for
@@ -41,16 +41,15 @@ class TuningRow:
     max_seqlen_k: int | None = None  # None: any seqlen_k not covered by a bounded row
 
     def tile_fields(self) -> dict:
-        fields = {"block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
-                  "stages": self.stages}
-        for flag in ("warp_specialized", "pingpong", "intra_wg_overlap", "persistent",
-                     "early_first_qk", "peel_masked_blocks"):
-            if getattr(self, flag):
-                fields[flag] = True
-        for option in ("exp2_emulation", "rescale_threshold"):
-            if getattr(self, option) is not None:
-                fields[option] = getattr(self, option)
-        return fields
+        """The row's tile: sizes, the flags it sets and the options it gives (flags left False
+        and options left None are the tile's defaults)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_TILE}
+        return {name: value for name, value in values.items()
+                if value is not False and value is not None}
+
+
+# TuningRow fields that select or explain the row rather than describe its tile.
+_NOT_TILE = frozenset({"fa_version", "max_head_dim", "reason", "causal", "max_seqlen_k"})
 
 
 TABLE: tuple[TuningRow, ...] = (

@@ -41,15 +41,11 @@ struct AttentionMask {
     // rows from `row_begin` on. Those are the last blocks, which the kernels visit first (block
     // n_blocks - 1 - j in iteration j), so iterations j < the result may need a mask.
     __device__ __forceinline__ int masked_key_blocks(int n_blocks, int row_begin, int block_n) const {
-        int visible_to_all = seqlen_k;  // keys [0, visible_to_all) attend for every row
-        if constexpr (kCausal) {
-            visible_to_all = min(visible_to_all, row_begin + causal_offset() + 1);
-        }
-        return n_blocks - min(n_blocks, max(visible_to_all, 0) / block_n);
+        // Keys [0, key_end(row_begin)) attend for every row from row_begin on.
+        return n_blocks - min(n_blocks, max(key_end(row_begin), 0) / block_n);
     }
 
-    // One past the last key query row `row` sees: keys [0, result) attend. For kernels whose
-    // thread owns whole rows (FA4: one TMEM lane per row).
+    // One past the last key query row `row` sees: keys [0, result) attend.
     __device__ __forceinline__ int key_end(int row) const {
         int end = seqlen_k;
         if constexpr (kCausal) {

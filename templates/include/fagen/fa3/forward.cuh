@@ -114,11 +114,13 @@ struct Forward {
         return algo::tile_work<Config::kCausal>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
-    // The Q stage of the tile that follows `tile_count` tiles of this CTA, and the phase parity
-    // of its q_full barrier.
-    static __device__ __forceinline__ int q_stage(int tile_count) { return tile_count % kQStages; }
-    static __device__ __forceinline__ uint32_t q_parity(int tile_count) {
-        return static_cast<uint32_t>((tile_count / kQStages) & 1);
+    // Position `position` of a ring of kDepth buffers (the Q stages: tiles of this CTA; the
+    // K/V stages: key blocks): its buffer, and the phase parity its full barrier completes.
+    template <int kDepth>
+    static __device__ __forceinline__ int ring_slot(int position) { return position % kDepth; }
+    template <int kDepth>
+    static __device__ __forceinline__ uint32_t ring_parity(int position) {
+        return static_cast<uint32_t>((position / kDepth) & 1);
     }
 
     // ---------------------------------------------------------------- producer
@@ -126,8 +128,8 @@ struct Forward {
     // tiles this CTA loaded before).
     static __device__ __forceinline__ void load_q(const FagenTmaMaps& maps, const Smem& s,
                                                   const Work& w, int tile_count) {
-        const int q = q_stage(tile_count);
-        ptx::mbarrier_wait_parity(s.q_empty(q), q_parity(tile_count) ^ 1);
+        const int q = ring_slot<kQStages>(tile_count);
+        ptx::mbarrier_wait_parity(s.q_empty(q), ring_parity<kQStages>(tile_count) ^ 1);
         algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.row_begin,
                                      w.head, w.batch);
     }
@@ -136,8 +138,8 @@ struct Forward {
     // ring % kStages), once consumers have released the slot's previous contents.
     static __device__ __forceinline__ void load_kv(const FagenTmaMaps& maps, const Smem& s,
                                                    const Work& w, int j, int ring) {
-        const int slot = ring % kStages;
-        const uint32_t empty_parity = ((ring / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
+        const int slot = ring_slot<kStages>(ring);
+        const uint32_t empty_parity = ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
         const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
         algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
@@ -243,10 +245,10 @@ struct Forward {
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
         const bool issues_loads = !Config::kWarpSpecialized && consumer == 0 && thread == 0;
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
-        const int q = q_stage(tile_count);
+        const int q = ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
-        auto slot_of = [&](int j) { return (ring_base + j) % kStages; };
-        auto parity_of = [&](int j) { return static_cast<uint32_t>(((ring_base + j) / kStages) & 1); };
+        auto slot_of = [&](int j) { return ring_slot<kStages>(ring_base + j); };
+        auto parity_of = [&](int j) { return ring_parity<kStages>(ring_base + j); };
 
         float acc_o[1][kOTiles][4];
         algo::clear_fragment(acc_o);
@@ -264,7 +266,7 @@ struct Forward {
         __syncwarp();  // the loading lane rejoins its warp before the .aligned wgmma ops
         // kEarlyFirstQk: waited for before the tile's first Q K^T went out.
         if constexpr (!Config::kEarlyFirstQk) {
-            ptx::mbarrier_wait_parity(s.q_full(q), q_parity(tile_count));
+            ptx::mbarrier_wait_parity(s.q_full(q), ring_parity<kQStages>(tile_count));
         }
 
         // S = Q K^T of block j, masked and turned into probabilities; O rescaled unless its
@@ -520,9 +522,9 @@ struct Forward {
                 auto issue_next_first_qk = [&](int slot, uint32_t parity, int last_slot) {
                     next_index = sched.next(index);
                     has_next = find_tile_with_keys(next_index, next);
-                    const int q = q_stage(tile_count + (has_next ? 1 : 0));
+                    const int q = ring_slot<kQStages>(tile_count + (has_next ? 1 : 0));
                     if (has_next) {
-                        ptx::mbarrier_wait_parity(s.q_full(q), q_parity(tile_count + 1));
+                        ptx::mbarrier_wait_parity(s.q_full(q), ring_parity<kQStages>(tile_count + 1));
                         ptx::mbarrier_wait_parity(s.k_full(slot), parity);
                     }
                     ptx::wgmma_fence();
