@@ -18,7 +18,8 @@ def _fa2_geometry(head_dim: int, tile: Any) -> Fa2Geometry:
 def _fa3_geometry(head_dim: int, tile: Any) -> Fa3Geometry:
     return Fa3Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
                        tile.warp_specialized, tile.pingpong, tile.intra_wg_overlap,
-                       tile.persistent, tile.early_first_qk, tile.peel_masked_blocks)
+                       tile.persistent, tile.early_first_qk, tile.peel_masked_blocks,
+                       tile.mma_row_sum)
 
 
 def _fa4_geometry(head_dim: int, tile: Any) -> Fa4Geometry:
@@ -61,7 +62,8 @@ ALGORITHMS: dict[tuple[int, str], Algorithm] = {
         required_sass=("HGMMA", "UTMALDG", "SYNCS"),
         geometry=_fa3_geometry,
         tile_flags=("warp_specialized", "pingpong", "intra_wg_overlap", "persistent",
-                    "early_first_qk", "peel_masked_blocks", "exp2_emulation", "rescale_threshold"),
+                    "early_first_qk", "peel_masked_blocks", "mma_row_sum", "exp2_emulation",
+                    "rescale_threshold"),
     ),
     (4, "fwd"): Algorithm(
         fa_version=4,

@@ -13,8 +13,12 @@ from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_
 
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
-# head_dim values the tuning table uses.
-WGMMA_N = (64, 80, 96, 128, 160, 176, 192, 256)
+# head_dim values the tuning table uses, and head_dim + 8 for mma_row_sum's P V.
+WGMMA_N = (64, 72, 80, 96, 128, 136, 160, 176, 192, 256)
+WGMMA_MAX_N = 256
+# mma_row_sum: P V runs over one more n8 tile of V, whose columns are all ones, so that tile of
+# O holds the row sums of P.
+ROW_SUM_COLUMNS = 8
 
 # Registers after setmaxnreg (FlashAttention-3 paper, section 3.1: the producer needs almost
 # none). Consumers share the rest of the 64K: 24 + 2 x 240 = 504 per thread-slot of 128 threads
@@ -22,8 +26,9 @@ WGMMA_N = (64, 80, 96, 128, 160, 176, 192, 256)
 PRODUCER_REGISTERS = 24
 SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
 # Registers of a consumer thread beyond S, O and P: softmax state, descriptors, loop state.
-# 32: hd64 m192n128 (S 64 + O 32 + P 32 = 128) compiles without spills under setmaxnreg 160.
-REGISTER_OVERHEAD = 32
+# 28: hd64 m192n128 with mma_row_sum (S 64 + O and row sums 36 + P 32 = 132) compiles without
+# spills under setmaxnreg 160.
+REGISTER_OVERHEAD = 28
 # Hopper (sm_90): 228 KB of shared memory per SM, of which each resident CTA reserves 1 KB
 # (CUDA C Programming Guide, compute capability 9.0 and "Shared Memory").
 SMEM_PER_SM = 228 * 1024
@@ -39,6 +44,7 @@ class Fa3Geometry(TmaRingLayout):
     persistent: bool
     early_first_qk: bool
     peel_masked_blocks: bool
+    mma_row_sum: bool
 
     @property
     def consumers(self) -> int:
@@ -55,6 +61,20 @@ class Fa3Geometry(TmaRingLayout):
         after the previous tile's last Q K^T, and the epilogue waited for it (run 44: -2...-6 %
         at hd64). A second buffer lets the producer load it a whole tile ahead."""
         return 2 if self.early_first_qk else 1
+
+    @property
+    def pv_columns(self) -> int:
+        """N of the P V wgmma: head_dim, plus the column tile of ones with mma_row_sum."""
+        return self.head_dim + (ROW_SUM_COLUMNS if self.mma_row_sum else 0)
+
+    @property
+    def smem_v_stage_bytes(self) -> int:
+        """mma_row_sum: each V tile is followed by a 64-column chunk of ones (block_n rows of
+        128 bytes, all of them ones so that the swizzle cannot pick a wrong column), which the
+        P V wgmma reads as its columns head_dim ... head_dim + 7: the chunk after V's last one,
+        at the same chunk stride."""
+        ones_chunk = self.block_n * TMA_COLUMNS * 2 if self.mma_row_sum else 0
+        return self.smem_kv_tile_bytes + ones_chunk
 
     @property
     def smem_control_bytes(self) -> int:
@@ -84,7 +104,7 @@ class Fa3Geometry(TmaRingLayout):
     def estimated_registers(self) -> int:
         """Per consumer thread: O and S accumulators and the P fragments (with intra-warpgroup
         overlap, P of block j-1 is live while S of block j accumulates: that is this term)."""
-        acc_o = self.head_dim // 2
+        acc_o = self.pv_columns // 2
         acc_s = self.block_n // 2
         p_fragments = self.block_n // 4
         return acc_o + acc_s + p_fragments + REGISTER_OVERHEAD
@@ -114,6 +134,11 @@ class Fa3Geometry(TmaRingLayout):
                        "pingpong (a consumer issues the next tile's first Q K^T on its own)")
         if self.peel_masked_blocks and not self.intra_wg_overlap:
             out.append("tile.peel_masked_blocks: needs intra_wg_overlap (the loop it splits)")
+        if self.mma_row_sum and self.pv_columns > WGMMA_MAX_N:
+            out.append(f"tile.mma_row_sum: P V would need N = {self.pv_columns} > {WGMMA_MAX_N} "
+                       f"at head_dim={self.head_dim}")
+        elif self.mma_row_sum and self.pv_columns not in WGMMA_N:
+            out.append(f"tile.mma_row_sum: no wgmma wrapper for N = {self.pv_columns}")
         if self.pingpong and self.consumers != 2:
             out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
         if not (2 <= self.stages <= 4):

@@ -40,8 +40,9 @@ class TileGeometry:
 @dataclass(frozen=True)
 class TmaRingLayout(TileGeometry):
     """Shared memory of the TMA kernels: `q_stages` Q tiles, then `stages` K tiles, then
-    `stages` V tiles, then the control block (mbarriers, ...); every offset stays a multiple of
-    SWIZZLE_ATOM_BYTES because block_m, block_n are multiples of 8 and head_dim of 64."""
+    `stages` V stages (a V tile each, and what a kernel keeps beside it), then the control block
+    (mbarriers, ...); every offset stays a multiple of SWIZZLE_ATOM_BYTES because block_m,
+    block_n are multiples of 8 and head_dim of 64."""
 
     @property
     def q_stages(self) -> int:
@@ -68,8 +69,13 @@ class TmaRingLayout(TileGeometry):
         return self.smem_k_offset + self.stages * self.smem_kv_tile_bytes
 
     @property
+    def smem_v_stage_bytes(self) -> int:
+        """A V stage: the V tile, and whatever a kernel keeps beside it."""
+        return self.smem_kv_tile_bytes
+
+    @property
     def smem_barrier_offset(self) -> int:
-        return self.smem_v_offset + self.stages * self.smem_kv_tile_bytes
+        return self.smem_v_offset + self.stages * self.smem_v_stage_bytes
 
     @property
     def smem_control_bytes(self) -> int:

@@ -34,6 +34,9 @@ class TileConfig(BaseModel):
     peel_masked_blocks: bool = Field(
         False, description="FA3 with intra_wg_overlap: the key blocks that may need a mask run in "
         "a loop of their own, so that the main loop carries no mask code")
+    mma_row_sum: bool = Field(
+        False, description="FA3: the softmax row sums come out of P V (V gets a column of ones) "
+        "instead of one add per score")
     exp2_emulation: float | None = Field(
         None, description="fraction 1/k of the softmax exponentials computed by a "
         "polynomial on the FMA pipe (every k-th column pair); omit for hardware exp2 only")
@@ -43,8 +46,8 @@ class TileConfig(BaseModel):
 
     FLAG_SUFFIXES: ClassVar[dict[str, str]] = {
         "warp_specialized": "ws", "pingpong": "pp", "intra_wg_overlap": "ov", "persistent": "ps",
-        "early_first_qk": "fq", "peel_masked_blocks": "pm", "exp2_emulation": "e2p",
-        "rescale_threshold": "rt"}
+        "early_first_qk": "fq", "peel_masked_blocks": "pm", "mma_row_sum": "ms",
+        "exp2_emulation": "e2p", "rescale_threshold": "rt"}
 
     @model_serializer(mode="wrap")
     def _omit_default_options(self, handler):

@@ -35,6 +35,7 @@ class TuningRow:
     persistent: bool = False
     early_first_qk: bool = False
     peel_masked_blocks: bool = False
+    mma_row_sum: bool = False
     exp2_emulation: float | None = None
     rescale_threshold: float | None = None
     causal: bool | None = None  # None: the row serves both masks
@@ -119,13 +120,16 @@ TABLE: tuple[TuningRow, ...] = (
               peel_masked_blocks=True, causal=True,
               max_seqlen_k=4096),
     TuningRow(3, 64, 192, 128, 16, 2,
-              "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 + P 32 regs) keep 12 "
-              "consumer warps per SM busy where hd64's short MMAs leave 8 waiting on softmax; "
-              "persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
+              "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 (+4) + P 32 regs) "
+              "keep 12 consumer warps per SM busy where hd64's short MMAs leave 8 waiting on "
+              "softmax; persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
               "(0.98/1.00/1.07x cuDNN) against 429/449/452 for m128n128; causal 8k 449 against "
-              "431; 89 KB smem",
+              "431. The row sums come out of P V (mma_row_sum: 386 instead of 448 main-loop "
+              "instructions): +1...+5 % at 2k-16k non-causal, -1...+3 % causal 8k-16k (runs 57, "
+              "58); on the two-consumer rows above it measured -5...+1 % (idle MUFU time, not "
+              "issue slots, is what those lose: run 58). 121 KB smem",
               warp_specialized=True, intra_wg_overlap=True, persistent=True,
-              peel_masked_blocks=True),
+              peel_masked_blocks=True, mma_row_sum=True),
     TuningRow(3, 128, 128, 128, 12, 2,
               "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
               "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "

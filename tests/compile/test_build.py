@@ -242,5 +242,15 @@ def test_fa3_softmax_overlaps_the_previous_pv(kernel_cache, tmp_path):
         assert stretches and min(stretches) >= exp2_per_thread, (entry.name, stretches)
         # A masked score is a select of -inf: peel_masked_blocks leaves none in the main loop;
         # without it the loop carries the mask code (causal diagonal, seqlen_k bound).
-        masks_in_loop = any("FSEL" in op and "-INF" in op for op in _main_loop(sass))
+        main_loop = _main_loop(sass)
+        masks_in_loop = any("FSEL" in op and "-INF" in op for op in main_loop)
         assert masks_in_loop != bool(entry.spec["tile"].get("peel_masked_blocks")), entry.name
+        # mma_row_sum: P V runs over head_dim + 8 columns and the softmax adds nothing up; the
+        # other kernels add each probability to their row sum (one FADD per score).
+        head_dim = entry.spec["head_dim"]
+        adds = sum(" FADD " in f" {op} " for op in main_loop)
+        if entry.spec["tile"].get("mma_row_sum"):
+            assert any(f"HGMMA.64x{head_dim + 8}x16" in op for op in main_loop), entry.name
+            assert adds == 0, (entry.name, adds)
+        else:
+            assert adds >= exp2_per_thread, (entry.name, adds)

@@ -296,3 +296,21 @@ def test_fa3_peel_masked_blocks_is_named_and_needs_the_overlapped_loop():
     text = error_text(fa_version=3, arch="sm90a", head_dim=64,
                       tile={**tile, "intra_wg_overlap": False})
     assert "peel_masked_blocks" in text
+
+
+def test_fa3_mma_row_sum_is_named_and_puts_ones_beside_each_v_stage():
+    tile = {**FA3_TILE, "block_m": 128, "warps": 12, "persistent": True}
+    plain = spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile).geometry
+    summed = spec(fa_version=3, arch="sm90a", head_dim=64, tile={**tile, "mma_row_sum": True})
+    assert "_ps_ms_" in summed.name
+    g = summed.geometry
+    assert (plain.pv_columns, g.pv_columns) == (64, 72)
+    # One 64-column chunk of block_n rows (128 bytes each) per V stage, after the V tile.
+    assert g.smem_v_stage_bytes == plain.smem_kv_tile_bytes + 128 * 128
+    assert g.smem_bytes - plain.smem_bytes == 2 * 128 * 128
+
+
+def test_fa3_mma_row_sum_is_refused_past_the_widest_wgmma():
+    tile = {**FA3_TILE, "block_n": 64, "block_m": 128, "warps": 12, "mma_row_sum": True}
+    text = error_text(fa_version=3, arch="sm90a", head_dim=256, tile=tile)
+    assert "mma_row_sum" in text and "264" in text

@@ -14,6 +14,11 @@
 // kRescaleThreshold (base 2, scaled units: 8 = log2 256) the reference stays and the O / l
 // rescale is skipped; probabilities are then at most 2^threshold instead of 1, which fp32 O and
 // l absorb. Since both were accumulated against the same reference, O / l at the end is exact.
+//
+// kSumInOutput: the kernel's P V also multiplies P by a column of ones, so the output
+// accumulator's last n8 tile holds each row's complete sum of the probabilities as they went into
+// P V (rounded to 16 bits, like the numerator), rescaled along with O. The softmax then keeps no
+// sum of its own: that saves one add per score, a serial chain per row.
 #pragma once
 #include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/fragment.cuh"
@@ -63,10 +68,11 @@ __device__ __forceinline__ float row_lse(float reference, float sum, float scale
 __device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
 // kM row-pair tiles -> 2*kM rows per thread.
-template <int kM, class Options = DefaultSoftmaxOptions>
+template <int kM, class Options = DefaultSoftmaxOptions, bool kSumInOutput = false>
 struct OnlineSoftmax {
     float row_max[kM][2];
-    float row_sum[kM][2];  // partial: this thread's columns only, reduced in finalize()
+    float row_sum[kM][2];  // partial: this thread's columns only, reduced in finalize(); unused
+                           // with kSumInOutput
 
     __device__ __forceinline__ void init() {
 #pragma unroll
@@ -110,10 +116,10 @@ struct OnlineSoftmax {
                         float& s = scores[m][n][2 * h + i];
                         s = softmax_exp2<Options::kExp2EmulationPeriod>(
                             n, fmaf(s, scale_log2, -max_scaled));
-                        sum += s;
+                        if constexpr (!kSumInOutput) sum += s;
                     }
                 }
-                row_sum[m][h] = row_sum[m][h] * rescale[m][h] + sum;
+                if constexpr (!kSumInOutput) row_sum[m][h] = row_sum[m][h] * rescale[m][h] + sum;
             }
         }
     }
@@ -158,7 +164,8 @@ struct OnlineSoftmax {
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float sum = quad_sum(row_sum[m][h]);
+                // Both columns of the sum tile a thread holds carry its row's sum.
+                const float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
                 const float inv = inverse_row_sum(sum);
                 lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
 #pragma unroll

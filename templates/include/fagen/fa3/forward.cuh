@@ -62,6 +62,8 @@ struct Forward {
     static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks
     static constexpr int kSTiles = kBlockN / 8;          // n8 tiles of S per warp
     static constexpr int kOTiles = kHeadDim / 8;         // n8 tiles of O per warp
+    // n8 tiles of the O accumulator: O, and with kMmaRowSum the row sums of P after it.
+    static constexpr int kOAccTiles = Config::kPVColumns / 8;
     static constexpr int kPSteps = kBlockN / 16;         // k16 steps of P V
     static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
@@ -78,7 +80,10 @@ struct Forward {
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQStages * kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
-    static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
+    static_assert(Config::kSmemVStageBytes == kKVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
+    static_assert(Config::kSmemBarrierOffset ==
+                  Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
+    static_assert(kOAccTiles == kOTiles + (Config::kMmaRowSum ? 1 : 0));
     static_assert(!Config::kPersistent || Config::kWarpSpecialized,
                   "only a producer warpgroup can load the next tile ahead");
     static_assert(!Config::kPeelMaskedBlocks || Config::kIntraWarpgroupOverlap,
@@ -102,10 +107,14 @@ struct Forward {
         __device__ uint32_t v_empty(int s) const { return bar + 8 * (2 * kQStages + 3 + 4 * s); }
         __device__ uint32_t q_tile(int q) const { return this->q + q * kQBytes; }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
-        __device__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+        __device__ uint32_t v_tile(int s) const { return v + s * Config::kSmemVStageBytes; }
+        // kMmaRowSum: the chunk of ones after V tile s, at V's chunk stride (block_n rows of
+        // 128 bytes), so that one descriptor reads V and then the ones as the next 64 columns.
+        __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kKVBytes; }
     };
 
     using Scheduler = algo::TileScheduler<Config::kCausal, Config::kPersistent>;
+    using Softmax = algo::OnlineSoftmax<1, Config, Config::kMmaRowSum>;
 
     using Work = algo::TileWork;
 
@@ -180,14 +189,16 @@ struct Forward {
         ptx::wgmma_commit_group();
     }
 
-    // O += P V: A = P from registers, B = V of ring slot `slot`.
-    static __device__ __forceinline__ void issue_pv(float (&acc_o)[kOTiles][4],
+    // O += P V: A = P from registers, B = V of ring slot `slot` (and with kMmaRowSum the ones
+    // after it: N = kPVColumns).
+    static __device__ __forceinline__ void issue_pv(float (&acc_o)[kOAccTiles][4],
                                                     const uint32_t (&p)[kPSteps][4],
                                                     const Descriptors& d, int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            ptx::wgmma_rs<kHeadDim, Config::kIsBf16, 1>(
-                acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * kKVBytes + kk * 16 * 128), 1);
+            ptx::wgmma_rs<Config::kPVColumns, Config::kIsBf16, 1>(
+                acc_o, p[kk],
+                ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 16 * 128), 1);
         }
         ptx::wgmma_commit_group();
     }
@@ -204,10 +215,10 @@ struct Forward {
     // (FlashAttention-3's order): the multiplies run while the tensor cores work on Q K_j^T
     // instead of in the gap between P_{j-2} V_{j-2} and the next issue. O is complete here
     // (P_{j-2} V_{j-2} was waited for) and is fenced again before P V reads it.
-    static __device__ __forceinline__ void rescale_under_mma(float (&acc_o)[1][kOTiles][4],
+    static __device__ __forceinline__ void rescale_under_mma(float (&acc_o)[1][kOAccTiles][4],
                                                              const float (&rescale)[1][2]) {
         fence_accumulators(acc_o[0]);
-        algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
+        Softmax::rescale_output(acc_o, rescale);
         fence_accumulators(acc_o[0]);
         ptx::wgmma_fence();
     }
@@ -250,9 +261,9 @@ struct Forward {
         auto slot_of = [&](int j) { return ring_slot<kStages>(ring_base + j); };
         auto parity_of = [&](int j) { return ring_parity<kStages>(ring_base + j); };
 
-        float acc_o[1][kOTiles][4];
+        float acc_o[1][kOAccTiles][4];
         algo::clear_fragment(acc_o);
-        algo::OnlineSoftmax<1, Config> softmax;  // Config carries the softmax options
+        Softmax softmax;  // Config carries the softmax options
         softmax.init();
         float own_acc_s[1][kSTiles][4];
         float(&acc_s)[1][kSTiles][4] = Config::kEarlyFirstQk ? tile_acc_s : own_acc_s;
@@ -279,7 +290,7 @@ struct Forward {
                 }
             }
             softmax.update(acc_s, rescale, prm.scale_log2);
-            if (!pv_in_flight) algo::OnlineSoftmax<1, Config>::rescale_output(acc_o, rescale);
+            if (!pv_in_flight) Softmax::rescale_output(acc_o, rescale);
         };
 
         // Q K_j^T has completed: K_j's slot is free, and after the tile's last block so is Q,
@@ -402,7 +413,7 @@ struct Forward {
     // pair and take the next lane's, odd lanes keep their second tile's pair and take the
     // previous lane's.
     static __device__ __forceinline__ void store_output(const FagenFwdParams& prm, const Work& w,
-                                                        const float (&acc_o)[kOTiles][4],
+                                                        const float (&acc_o)[kOAccTiles][4],
                                                         const float (&row_lse)[1][2], int warp_row,
                                                         int lane) {
         static_assert(kOTiles % 2 == 0, "stores pair up n8 tiles");
@@ -583,6 +594,25 @@ struct Forward {
         if (Config::kPingpong && consumer == 0) ptx::bar_sync(kSchedulerBarrierBase, 256);
     }
 
+    // kMmaRowSum: every thread writes its share of the ones chunks once, before any P V reads
+    // them (through the async proxy, hence the fence).
+    static __device__ __forceinline__ void fill_ones_chunks(char* smem) {
+        const Smem s = smem_layout(smem);
+        const uint32_t one_pair = Ops::pack(1.f, 1.f);
+        char* const generic_base =
+            smem - static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // shared address 0
+        constexpr int kChunkBytes = kBlockN * 128;
+#pragma unroll 1
+        for (int stage = 0; stage < kStages; ++stage) {
+            for (int offset = 16 * threadIdx.x; offset < kChunkBytes;
+                 offset += 16 * Config::kThreads) {
+                *reinterpret_cast<uint4*>(generic_base + s.ones_chunk(stage) + offset) =
+                    make_uint4(one_pair, one_pair, one_pair, one_pair);
+            }
+        }
+        ptx::fence_proxy_async_shared_cta();
+    }
+
     // ---------------------------------------------------------------- entry
     // Each role is one branch holding its setmaxnreg, and nothing computed before the branch
     // stays live into it: ptxas then compiles each role under its own register budget.
@@ -602,6 +632,7 @@ struct Forward {
             }
             ptx::fence_mbarrier_init_release_cluster();
         }
+        if constexpr (Config::kMmaRowSum) fill_ones_chunks(smem);
         __syncthreads();
 
         if constexpr (Config::kWarpSpecialized) {
