@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# run 60: the candidate stop (mma_row_sum on the hd64 three-consumer kernels only; every other
+# kernel SASS-identical to the previous stop's): GPU tests on the default bundle, then every row
+# against the previous stop's kernels in the same rows, 3 rounds.
+set -uo pipefail
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+R=$OUT/r; mkdir -p $R
+trap 'tar czf "$OUT/results.tgz" -C "$R" .' EXIT
+echo "=== GPU tests (default bundle)"
+FAGEN_BUNDLE=$PWD/.carry/default timeout 110 python3 -m pytest tests/gpu -m gpu -q > "$R/pytest_default.log" 2>&1
+tail -n 1 "$R/pytest_default.log"; grep -E "^FAILED" "$R/pytest_default.log" | head
+timeout 400 python3 -m bench.attention --bundle .carry/hopper --baseline .carry/base_hopper --seqlens 512,1k,2k,4k,8k,16k \
+  --head-dims 64,128,256 --causal both --repeats 3 --json "$R/bench_hopper.json" --table "$R/bench_hopper.txt" > "$R/bench_hopper.log" 2>&1
+cat "$R/bench_hopper.txt"
