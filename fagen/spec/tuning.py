@@ -125,7 +125,7 @@ TABLE: tuple[TuningRow, ...] = (
               "softmax; persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
               "(0.98/1.00/1.07x cuDNN) against 429/449/452 for m128n128; causal 8k 449 against "
               "431. The row sums come out of P V (mma_row_sum: 386 instead of 448 main-loop "
-              "instructions): +1...+5 % at 2k-16k non-causal, -1...+3 % causal 8k-16k (runs 57, "
+              "instructions): +1...+5 % at 2k-16k non-causal, 0...+3 % causal 8k-16k (runs 57, "
               "58); on the two-consumer rows above it measured -5...+1 % (idle MUFU time, not "
               "issue slots, is what those lose: run 58). 121 KB smem",
               warp_specialized=True, intra_wg_overlap=True, persistent=True,
