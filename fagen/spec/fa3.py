@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
-from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
+from .layout import (
+    ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems,
+)
 
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
@@ -73,7 +75,7 @@ class Fa3Geometry(TmaRingLayout):
         128 bytes, all of them ones so that the swizzle cannot pick a wrong column), which the
         P V wgmma reads as its columns head_dim ... head_dim + 7: the chunk after V's last one,
         at the same chunk stride."""
-        ones_chunk = self.block_n * TMA_COLUMNS * 2 if self.mma_row_sum else 0
+        ones_chunk = self.block_n * TMA_COLUMNS * ELEMENT_BYTES if self.mma_row_sum else 0
         return self.smem_kv_tile_bytes + ones_chunk
 
     @property

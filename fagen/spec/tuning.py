@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-
 from .algorithms import algorithm_for
 from .arch import ARCHS, Arch
 

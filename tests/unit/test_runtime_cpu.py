@@ -130,7 +130,7 @@ def test_schema_1_manifests_read_as_unbounded(tmp_path):
     assert bundle.select(KEY, (9, 0), 64).max_seqlen_k is None
 
 
-def test_persistent_grid_has_ctas_per_sm_ctas_per_sm(tmp_path, monkeypatch):
+def test_persistent_grid_is_ctas_per_sm_times_the_sms(tmp_path, monkeypatch):
     from fagen.runtime import driver, loader
 
     monkeypatch.setattr(driver, "multiprocessor_count", lambda device: 132)

@@ -83,7 +83,6 @@ struct Forward {
     static_assert(Config::kSmemVStageBytes == kKVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
     static_assert(Config::kSmemBarrierOffset ==
                   Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
-    static_assert(kOAccTiles == kOTiles + (Config::kMmaRowSum ? 1 : 0));
     static_assert(!Config::kPersistent || Config::kWarpSpecialized,
                   "only a producer warpgroup can load the next tile ahead");
     static_assert(!Config::kPeelMaskedBlocks || Config::kIntraWarpgroupOverlap,
@@ -599,14 +598,12 @@ struct Forward {
     static __device__ __forceinline__ void fill_ones_chunks(char* smem) {
         const Smem s = smem_layout(smem);
         const uint32_t one_pair = Ops::pack(1.f, 1.f);
-        char* const generic_base =
-            smem - static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // shared address 0
         constexpr int kChunkBytes = kBlockN * 128;
 #pragma unroll 1
         for (int stage = 0; stage < kStages; ++stage) {
             for (int offset = 16 * threadIdx.x; offset < kChunkBytes;
                  offset += 16 * Config::kThreads) {
-                *reinterpret_cast<uint4*>(generic_base + s.ones_chunk(stage) + offset) =
+                *static_cast<uint4*>(__cvta_shared_to_generic(s.ones_chunk(stage) + offset)) =
                     make_uint4(one_pair, one_pair, one_pair, one_pair);
             }
         }
