@@ -6,7 +6,7 @@ causal), median time of triton.testing.do_bench(warmup=25, rep=100).
 
     python -m bench.attention [--seqlens 512,1024,...] [--head-dims 64,128,256]
                               [--causal both|yes|no] [--json PATH] [--png PATH] [--bundle DIR]
-                              [--baseline DIR] [--repeats N]
+                              [--baseline DIR] [--repeats N] [--lineage]
 
 --baseline times a second bundle's kernels in the same rows (column "base"): a before/after
 comparison of a kernel change within one run, since absolute numbers drift between runs.
@@ -14,6 +14,7 @@ comparison of a kernel change within one run, since absolute numbers drift betwe
 in one round, cuDNN first in the next, ...), and reports the median of the N medians; the
 table's last column is the range of the per-round fagen/cuDNN ratios. One sample of a short
 row moved by up to 10 % between runs (docs/performance.md), more than the gaps it decides.
+--lineage times FA1, FA2 and FA3 of one bundle instead (bench/lineage.py).
 """
 
 from __future__ import annotations
@@ -222,9 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON here")
     parser.add_argument("--png", dest="png_path", default=None, help="plot here (needs matplotlib)")
     parser.add_argument("--table", dest="table_path", default=None, help="also write the table here")
+    parser.add_argument("--lineage", action="store_true",
+                        help="FA1 -> FA2 -> FA3 of one bundle (default: generated/lineage, built "
+                        "from specs/lineage.yaml) instead of fagen against the peers "
+                        "(head dims default to 64,128)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.lineage:
+        from bench import lineage
+
+        if args.head_dims == list(HEAD_DIMS):
+            args.head_dims = [64, 128]
+        return lineage.main(args)
 
     if not torch.cuda.is_available():
         print("fagen bench: needs a CUDA device", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Every kernel of a bundle, timed against the peers on one shape per key: picks tiles and
-measures ablations (bench/sweep.yaml), since the adapter itself only ever runs the kernel
-the bundle selects.
+measures ablations, since the adapter itself only ever runs the kernel the bundle selects.
 
+    fagen build bench/sweep_example.yaml -o DIR      # any machine, no GPU
     python -m bench.tile_sweep --bundle DIR [--seqlen 4096] [--json PATH]
 
 Shape per key: bf16/fp16 as the key says, batch * seqlen = 16384 tokens, nheads = 2048 /
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections import defaultdict
 
 import torch
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
         for entry in sorted(by_key[key], key=lambda e: (e.fa_version, e.name)):
             out = torch.full_like(q, float("nan"))
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-            run = prepare_launch(bundle, entry, q, k, v, out, lse, 1.0 / math.sqrt(head_dim))
+            run = prepare_launch(bundle, entry, q, k, v, out, lse)
             run()
             torch.cuda.synchronize()
             diff = (out.float() - reference.float()).abs().max().item()

@@ -41,3 +41,15 @@ def generated_dir() -> Path:
 
 def default_bundle_dir() -> Path:
     return generated_dir() / "default"
+
+
+def cache_root() -> Path:
+    """Where fagen keeps machine-local caches: FAGEN_CACHE if set, else ~/.cache/fagen.
+
+    Holds `kernels/` (compiled cubins, fagen.compiler.cache) and `nvrtc-headers/` (NVRTC's
+    bundled headers, fagen.compiler.headers). Lives here, free of NVRTC, so that `fagen cache`
+    can find it without importing the compiler.
+    """
+    if env := os.environ.get("FAGEN_CACHE"):
+        return Path(env)
+    return Path.home() / ".cache" / "fagen"

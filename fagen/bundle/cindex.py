@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from ..contract import GRIDS
 from .format import Manifest
 
 INDEX_HEADER = "include/fagen/index.h"
@@ -33,8 +34,8 @@ def render_index_header(manifest: Manifest) -> str:
             _c_string(k.name), _c_string(k.key), _c_string(k.arch), str(major), str(minor),
             str(int(k.arch_specific)), _c_string(k.cubin), _c_string(k.sha256), f"{k.size}ull",
             str(k.launch.threads), str(k.launch.block_m), str(k.launch.dynamic_smem),
-            str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(int(k.launch.persistent)),
-            str(k.launch.ctas_per_sm),
+            str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(GRIDS.index(k.launch.grid)),
+            str(k.launch.workspace_floats_per_row),
             str(k.fa_version), str(k.max_seqlen_k or 0),
         ]
         rows.append("    {" + ", ".join(fields) + "},")
@@ -54,8 +55,9 @@ def render_index_header(manifest: Manifest) -> str:
         f"#define FAGEN_BUNDLE_MANIFEST_SHA256 {_c_string(manifest_sha256(manifest))}",
         f"#define FAGEN_KERNEL_COUNT {len(manifest.kernels)}",
         "",
-        "/* One row per kernel; grid = (ceil(seqlen_q / block_m), heads_q, batch), block = threads;",
-        "   persistent kernels: grid = (min(query blocks * heads_q * batch, SMs * ctas_per_sm), 1, 1). */",
+        "/* One row per kernel; block = threads, grid by `grid` (FAGEN_GRID_* of contract.h):",
+        "   TILES (ceil(seqlen_q / block_m), heads_q, batch); PERSISTENT (min(query blocks * heads_q",
+        "   * batch, SMs), 1, 1); HEADS (heads_q, batch, 1). */",
         "typedef struct FagenKernelInfo {",
         "    const char* name;          /* extern \"C\" symbol in the cubin */",
         "    const char* key;           /* lookup key, e.g. \"fwd/bf16/hd128/causal\" */",
@@ -72,8 +74,9 @@ def render_index_header(manifest: Manifest) -> str:
         "    int tma_q_rows;            /* > 0: the kernel takes FagenTmaMaps (params.h) as a 2nd",
         "                                  parameter; box rows of the Q map */",
         "    int tma_kv_rows;           /* box rows of the K and V maps */",
-        "    int persistent;            /* 1: resident CTAs walk the tiles (grid above) */",
-        "    int ctas_per_sm;           /* CTAs per SM the kernel was compiled to keep resident */",
+        "    int grid;                  /* FAGEN_GRID_TILES, _PERSISTENT or _HEADS (above) */",
+        "    int workspace_floats_per_row; /* > 0: the kernel takes a float* workspace of this many",
+        "                                  floats per query row (of every head and batch) last */",
         "    int fa_version;            /* selection prefers the highest that runs on the device */",
         "    int max_seqlen_k;          /* > 0: preferred for calls with at most this many keys;",
         "                                  0: any length (fagen.hpp: select) */",

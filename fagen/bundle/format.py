@@ -15,77 +15,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import abi
+from .. import abi, contract
+from ..contract import KernelEntry
 from .._version import __version__
 
 # 2: kernels carry max_seqlen_k (a seqlen_k bound the runtime selects by; null = unbounded) and
 #    launch.ctas_per_sm (persistent grids are that many CTAs per SM).
-SCHEMA_VERSION = 2
+# 3: launch.grid names the grid's shape (replacing launch.persistent and launch.ctas_per_sm);
+#    launch.workspace_floats_per_row (a kernel's fp32 workspace); include/fagen/contract.h.
+SCHEMA_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 
 
 class BundleError(RuntimeError):
     """A bundle that cannot be used: missing, of another version, or tampered with."""
-
-
-@dataclass(frozen=True)
-class Launch:
-    threads: int
-    block_m: int  # grid = (ceil(seqlen_q / block_m), heads_q, batch)
-    dynamic_smem: int
-    # TMA kernels take FagenTmaMaps as a second parameter: box rows of the Q and K/V maps
-    # (64 columns, 128-byte swizzle). 0 = no TMA parameter.
-    tma_q_rows: int = 0
-    tma_kv_rows: int = 0
-    # Persistent kernels: grid = (min(tiles, SMs x ctas_per_sm), 1, 1), tiles = query blocks x
-    # heads x batch.
-    persistent: bool = False
-    # CTAs resident per SM the kernel was compiled for (schema 1: always 1).
-    ctas_per_sm: int = 1
-
-
-@dataclass(frozen=True)
-class Resources:
-    registers: int
-    spill_bytes: int
-    stack_bytes: int
-    static_smem: int
-
-
-@dataclass(frozen=True)
-class KernelEntry:
-    name: str  # == the extern "C" symbol
-    key: str  # lookup key without the arch, e.g. "fwd/bf16/hd128/causal"
-    arch: str  # e.g. "sm90", "sm90a"
-    compute_capability: tuple[int, int]
-    arch_specific: bool
-    fa_version: int
-    spec: dict
-    cubin: str  # path relative to the bundle root
-    source: str
-    sha256: str
-    size: int
-    launch: Launch
-    resources: Resources
-    sass: tuple[str, ...]
-    # Preferred for calls with at most this many keys (fagen.runtime.loader.select); None:
-    # any length. Schema-1 manifests have no such field: every kernel unbounded.
-    max_seqlen_k: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "KernelEntry":
-        return cls(
-            **{
-                **d,
-                "compute_capability": tuple(d["compute_capability"]),
-                "launch": Launch(**d["launch"]),
-                "resources": Resources(**d["resources"]),
-                "sass": tuple(d["sass"]),
-            }
-        )
 
 
 @dataclass(frozen=True)
@@ -131,31 +78,68 @@ def check_versions(d: dict, where: str) -> None:
         )
 
 
-def read_manifest(bundle_dir: str | Path) -> Manifest:
-    path = Path(bundle_dir) / MANIFEST_NAME
+def check_paths(manifest: Manifest, where: str) -> None:
+    """Refuse a manifest that names a file outside its bundle (contract.path_problem); the
+    message names the field and the path, and nothing about what the path points to."""
+    for index, entry in enumerate(manifest.kernels):
+        for field_name in ("cubin", "source"):
+            value = getattr(entry, field_name)
+            if problem := contract.path_problem(value):
+                raise BundleError(
+                    f"{where}: kernels[{index}].{field_name} {value!r}: {problem} (a manifest names "
+                    "files inside its bundle only); refusing the bundle")
+
+
+def parse_manifest(text: str | bytes, where: str) -> Manifest:
+    """A manifest from its JSON text: versions, fields and paths checked."""
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise BundleError(f"{where}: not a fagen manifest (no schema_version)")
+    check_versions(d, where)
+    try:
+        manifest = Manifest.from_dict(d)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{where}: malformed manifest ({exc})") from None
+    check_paths(manifest, where)
+    return manifest
+
+
+def _read_manifest_bytes(bundle_dir: Path) -> bytes:
+    try:
+        return (bundle_dir / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         raise BundleError(f"{bundle_dir}: no {MANIFEST_NAME}; is this a fagen bundle?") from None
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{path}: not valid JSON ({exc})") from None
-    check_versions(d, str(path))
-    try:
-        return Manifest.from_dict(d)
-    except (KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: malformed manifest ({exc})") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise BundleError(f"{bundle_dir}: not a bundle directory (no {MANIFEST_NAME} file)") from None
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    bundle_dir = Path(bundle_dir)
+    return parse_manifest(_read_manifest_bytes(bundle_dir), str(bundle_dir / MANIFEST_NAME))
 
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _inside(bundle_dir: Path, relative: str) -> Path:
+    """bundle_dir / relative, refused when links make it resolve outside the bundle."""
+    path = bundle_dir / relative
+    root = os.path.realpath(bundle_dir)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise BundleError(f"{path}: resolves outside the bundle (through a link); refusing it")
+    return path
+
+
 def read_verified_cubin(bundle_dir: str | Path, entry: KernelEntry) -> bytes:
     """The cubin's bytes, after checking size and sha256 against the manifest."""
-    path = Path(bundle_dir) / entry.cubin
+    path = _inside(Path(bundle_dir), entry.cubin)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise BundleError(f"{path}: cubin listed in the manifest is missing") from None
     digest = sha256_bytes(data)
     if len(data) != entry.size or digest != entry.sha256:
@@ -164,3 +148,32 @@ def read_verified_cubin(bundle_dir: str | Path, entry: KernelEntry) -> bytes:
             f"{digest[:16]}…); the bundle was modified after it was built — refusing to load it"
         )
     return data
+
+
+# Opening a bundle while `fagen build` replaces it: the manifest and the cubins may come from
+# two builds. Each try that finds a cubin not matching the manifest re-reads the manifest; a
+# changed one means the bundle was swapped meanwhile, and the open starts over.
+_OPEN_TRIES = 3
+
+
+def read_bundle(bundle_dir: str | Path) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest and every cubin of the bundle, each verified against the manifest: one
+    consistent snapshot, after which the bundle's files are never read again (a rebuild of the
+    directory cannot reach a process that opened it). Raises BundleError for a missing or
+    tampered cubin, naming it."""
+    bundle_dir = Path(bundle_dir)
+    where = str(bundle_dir / MANIFEST_NAME)
+    for _ in range(_OPEN_TRIES):
+        text = _read_manifest_bytes(bundle_dir)
+        manifest = parse_manifest(text, where)
+        try:
+            return manifest, {e.name: read_verified_cubin(bundle_dir, e) for e in manifest.kernels}
+        except BundleError:
+            try:
+                unchanged = _read_manifest_bytes(bundle_dir) == text
+            except BundleError:
+                unchanged = False
+            if unchanged:
+                raise
+    raise BundleError(f"{bundle_dir}: the bundle changed on disk while it was being opened "
+                      f"({_OPEN_TRIES} tries); open it again once the rebuild has finished")

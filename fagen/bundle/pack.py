@@ -11,7 +11,8 @@ bytes. Compression follows the output suffix: ``.tar`` (none), ``.tar.gz``/``.tg
 
 Loading a packed file extracts it once into a cache directory keyed by the file's sha256
 (``$FAGEN_BUNDLE_CACHE``, else ``$XDG_CACHE_HOME/fagen/bundles``, else ``~/.cache/fagen/bundles``)
-after checking every member against SHA256SUMS; later loads of the same file reuse it. Extracting
+after checking every member against SHA256SUMS; later loads of the same file reuse it, after
+checking the extracted files against the same SHA256SUMS again. Extracting
 rather than reading members in memory keeps one code path for directories and packed files, and
 gives C++ consumers and ``fagen list`` the same directory to look at.
 """
@@ -34,7 +35,6 @@ CHECKSUMS_NAME = "SHA256SUMS"
 _GZIP_SUFFIXES = (".tar.gz", ".tgz")
 _ZSTD_SUFFIXES = (".tar.zst", ".tzst")
 _FILE_MODE = 0o644
-_HASH_CHUNK = 1 << 20
 
 
 def _zstd():
@@ -147,16 +147,20 @@ def _parse_checksums(text: str, where: str) -> dict[str, str]:
     return digests
 
 
-def read_packed(path: str | Path) -> PackedBundle:
+def read_packed(path: str | Path, raw: bytes | None = None) -> PackedBundle:
     """Read and check a packed bundle: one top-level directory, SHA256SUMS matching every member.
+    `raw`: the file's bytes, when the caller has read them already.
 
     Raises BundleError naming the first member that is missing, extra or modified.
     """
     where = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise BundleError(f"{where}: no such packed bundle") from None
+    if raw is None:
+        try:
+            raw = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise BundleError(f"{where}: no such packed bundle") from None
+        except (IsADirectoryError, NotADirectoryError):
+            raise BundleError(f"{where}: not a packed bundle file") from None
     try:
         tar_bytes = decompress(raw, where)
         with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
@@ -171,7 +175,15 @@ def read_packed(path: str | Path) -> PackedBundle:
         raise BundleError(f"{where}: expected one top-level directory, found {sorted(tops)}")
     if CHECKSUMS_NAME not in files:
         raise BundleError(f"{where}: no {CHECKSUMS_NAME}; was it made by `fagen pack`?")
-    expected = _parse_checksums(files.pop(CHECKSUMS_NAME).decode(), where)
+    expected = _parse_checksums(files.pop(CHECKSUMS_NAME).decode(errors="replace"), where)
+    _check_against_checksums(files, expected, where, "packing")
+    if MANIFEST_NAME not in files:
+        raise BundleError(f"{where}: no {MANIFEST_NAME} in the packed bundle")
+    return PackedBundle(tops.pop(), files)
+
+
+def _check_against_checksums(files: dict[str, bytes], expected: dict[str, str], where: str,
+                             since: str) -> None:
     if missing := sorted(set(expected) - set(files)):
         raise BundleError(f"{where}: {CHECKSUMS_NAME} lists missing members: {', '.join(missing)}")
     if extra := sorted(set(files) - set(expected)):
@@ -182,19 +194,8 @@ def read_packed(path: str | Path) -> PackedBundle:
             raise BundleError(
                 f"{where}: member {name} does not match {CHECKSUMS_NAME} (expected sha256 "
                 f"{expected[name][:16]}…, got {digest[:16]}…); the file was modified after "
-                "packing — refusing to load it"
+                f"{since} — refusing to load it"
             )
-    if MANIFEST_NAME not in files:
-        raise BundleError(f"{where}: no {MANIFEST_NAME} in the packed bundle")
-    return PackedBundle(tops.pop(), files)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -204,14 +205,27 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "fagen" / "bundles"
 
 
+def _read_tree(root: Path) -> dict[str, bytes]:
+    return {name: (root / name).read_bytes() for name in bundle_files(root)}
+
+
 def unpack_cached(path: str | Path) -> Path:
     """The bundle directory of the packed file at `path`, extracted (after checking) into the
-    cache on first use; the cache entry is named by the file's sha256, so a changed file gets a
-    new entry."""
-    entry = cache_dir() / file_sha256(path)
-    if (entry / "bundle" / MANIFEST_NAME).is_file():
+    cache on first use. The file is read once: the cache entry is named by the sha256 of exactly
+    the bytes that are extracted, so a file replaced meanwhile can only make a new entry. The
+    entry keeps the packed SHA256SUMS beside its bundle/ and every later use re-checks the
+    extracted files against it (a cache entry edited or damaged since is refused)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise BundleError(f"{path}: no such packed bundle") from None
+    entry = cache_dir() / hashlib.sha256(raw).hexdigest()
+    if (entry / CHECKSUMS_NAME).is_file():
+        expected = _parse_checksums((entry / CHECKSUMS_NAME).read_text(errors="replace"), str(entry))
+        _check_against_checksums(_read_tree(entry / "bundle"), expected, str(entry / "bundle"),
+                                 "it was unpacked from " + str(path))
         return entry / "bundle"
-    packed = read_packed(path)
+    packed = read_packed(path, raw)
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
@@ -219,12 +233,13 @@ def unpack_cached(path: str | Path) -> Path:
             target = staging / "bundle" / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
+        (staging / CHECKSUMS_NAME).write_text(checksums_text(packed.files))
         staging.chmod(0o755)
         try:
             os.replace(staging, entry)
         except OSError:
-            # Another process extracted the same file first; its copy is identical.
-            if not (entry / "bundle" / MANIFEST_NAME).is_file():
+            # Another process extracted the same bytes first; its copy is identical.
+            if not (entry / CHECKSUMS_NAME).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,8 +1,9 @@
 """`fagen verify-bundle`: check a bundle directory or packed file without a GPU.
 
-Checks the manifest's schema and ABI versions against this fagen, every cubin's size and sha256
-against the manifest, that include/fagen/index.h is exactly what this manifest generates (so the
-C++ loader and the Python loader see the same kernels), that include/fagen/params.h declares the
+Checks the manifest's schema and ABI versions against this fagen, its paths (inside the bundle),
+every cubin's size and sha256 against the manifest, that include/fagen/index.h is exactly what
+this manifest generates (so the C++ loader and the Python loader see the same kernels), that
+include/fagen/contract.h is this fagen's contract, that include/fagen/params.h declares the
 manifest's ABI version and, for a packed file, every member against SHA256SUMS. Standard library
 only, like the rest of the runtime path.
 """
@@ -10,15 +11,18 @@ only, like the rest of the runtime path.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import abi
+from ..contract import CONTRACT_HEADER, render_contract_header
 from .cindex import INDEX_HEADER, PARAMS_HEADER, manifest_sha256, render_index_header
 from .format import (
-    MANIFEST_NAME, SCHEMA_VERSION, BundleError, Manifest, check_versions, sha256_bytes,
+    MANIFEST_NAME, SCHEMA_VERSION, BundleError, Manifest, check_versions, parse_manifest,
+    sha256_bytes,
 )
 from .pack import read_packed
 
@@ -47,17 +51,20 @@ def _check_manifest(read: Callable[[str], bytes | None], where: str) -> tuple[li
         d = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return [Check(MANIFEST_NAME, False, f"not valid JSON ({exc})")], None
+    if not isinstance(d, dict):
+        return [Check(MANIFEST_NAME, False, "not a fagen manifest (no schema_version)")], None
     versions = (
         f"schema_version {d.get('schema_version')} (this fagen reads up to {SCHEMA_VERSION}), "
         f"abi_version {d.get('abi_version')} (this fagen speaks {abi.ABI_VERSION})"
     )
     try:
         check_versions(d, where)
-        manifest = Manifest.from_dict(d)
     except BundleError as exc:
         return [Check("versions", False, str(exc))], None
-    except (KeyError, TypeError) as exc:
-        return [Check(MANIFEST_NAME, False, f"malformed manifest ({exc})")], None
+    try:
+        manifest = parse_manifest(text, where)
+    except BundleError as exc:
+        return [Check("versions", True, versions), Check(MANIFEST_NAME, False, str(exc))], None
     return [Check("versions", True, versions)], manifest
 
 
@@ -93,6 +100,14 @@ def _check_headers(read: Callable[[str], bytes | None], manifest: Manifest) -> l
     if manifest_digest != manifest_sha256(manifest):
         checks.append(Check(MANIFEST_NAME, False, f"sha256 {manifest_digest[:16]}… differs from the one "
                             "index.h records; the C++ loader will refuse this bundle (rewritten by hand?)"))
+    contract_text = read(CONTRACT_HEADER)
+    if contract_text is None:
+        checks.append(Check(CONTRACT_HEADER, False, "missing"))
+    elif contract_text.decode(errors="replace") != render_contract_header():
+        checks.append(Check(CONTRACT_HEADER, False, "differs from this fagen's contract: "
+                            + _first_difference(render_contract_header(), contract_text.decode(errors="replace"))))
+    else:
+        checks.append(Check(CONTRACT_HEADER, True, "matches this fagen's contract"))
     params = read(PARAMS_HEADER)
     found = _ABI_DEFINE.search(params.decode(errors="replace")) if params is not None else None
     if found is None:
@@ -106,10 +121,17 @@ def _check_headers(read: Callable[[str], bytes | None], manifest: Manifest) -> l
 
 
 def _directory_reader(root: Path) -> Callable[[str], bytes | None]:
+    real_root = os.path.realpath(root)
+
     def read(name: str) -> bytes | None:
+        # Names come from the manifest, checked by parse_manifest; a link out of the bundle
+        # reads as missing, so nothing about its target is reported.
+        path = root / name
+        if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+            return None
         try:
-            return (root / name).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
     return read

@@ -1,86 +1,86 @@
-"""Build a bundle: render, compile (cached, in parallel), check SASS, write atomically.
+"""Write a bundle directory atomically: a staging directory beside the output, swapped in at
+the end (one atomic exchange of the two directories where the OS offers it:
+docs/bundle-format.md, "Rebuilding in place"), so readers see the old bundle or the new one,
+never a mix and never none.
 
-The build happens in a temp dir beside the output and is swapped in with renames, so readers see
-the old bundle or the new one, never a mix. A failed build leaves its sources in `<out>.failed/`
-(the error names the file) and the old bundle untouched.
+What goes into the bundle is the build's business (fagen/build.py); this module knows the
+layout on disk: sources and cubins where the manifest says, manifest.json, and the headers
+(params.h, fagen.hpp, index.h, contract.h). Writes of one output are serialised by a lock in
+the machine's fagen cache, not beside the output; leftovers of a build that was killed are
+removed by the next one. A failed build keeps its staging directory as `<out>.failed/` and
+leaves the old bundle untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
-import json
 import os
 import shutil
 import tempfile
-import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
 from .. import paths
-from .._version import __version__
-from ..codegen import RenderedKernel, launch_info, render
-from ..compiler import (
-    CachedKernel, CompileError, KernelCache, NvrtcOptions, PtxasResources, cache_root,
-    compile_kernel, compiler_versions, options_for, sass_families, sass_problems,
-    toolchain_versions, tree_digest,
-)
-from ..spec import ARCHS, Arch, Expansion, KernelSpec, algorithm_for
+from ..contract import CONTRACT_HEADER, render_contract_header
 from .cindex import INDEX_HEADER, PARAMS_HEADER, render_index_header
-from .format import MANIFEST_NAME, KernelEntry, Launch, Manifest, Resources, sha256_bytes
+from .format import MANIFEST_NAME, Manifest
 
 CPP_LOADER_HEADER = "include/fagen/fagen.hpp"
 
-
-@dataclass(frozen=True)
-class KernelBuild:
-    name: str
-    arch: str
-    resources: PtxasResources
-    cubin_size: int
-    seconds: float  # compile time; for a cache hit, the time of the compile that filled it
-    cached: bool
+_RENAME_EXCHANGE = 2  # linux/fs.h
 
 
-@dataclass(frozen=True)
-class BuildReport:
-    bundle_dir: Path
-    manifest: Manifest
-    kernels: tuple[KernelBuild, ...]
-    skipped: tuple[dict, ...]
-    seconds: float
-
-    @property
-    def compiled(self) -> int:
-        return sum(not k.cached for k in self.kernels)
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    """libc's renameat2 (Linux, glibc >= 2.28), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    return function
 
 
-ProgressCallback = Callable[[KernelBuild, int, int], None]
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directories in one atomic step; False where the OS or filesystem cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    at_cwd = -100  # AT_FDCWD
+    return renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), _RENAME_EXCHANGE) == 0
 
 
-def fingerprint(options: dict[Arch, NvrtcOptions], toolchain: dict[str, str]) -> str:
-    """sha256 over the templates, the codegen sources, fagen's version, toolchain and flags.
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Put `staging` at `out_dir`. With an atomic exchange no reader ever finds `out_dir`
+    missing; elsewhere two renames leave it missing for a moment."""
+    if out_dir.exists() and _exchange(staging, out_dir):
+        shutil.rmtree(staging, ignore_errors=True)  # now the previous bundle
+        return
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / "bundle")
+    os.replace(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
-    Equal fingerprints mean equal inputs apart from the spec file: a consumer can tell whether two
-    bundles were produced by the same compiler.
-    """
-    inputs = {
-        "templates": tree_digest(paths.templates_dir()),
-        "codegen": tree_digest(Path(__file__).resolve().parent.parent / "codegen"),
-        "fagen": __version__,
-        "toolchain": toolchain,
-        "flags": {arch.value: list(opts.flags) for arch, opts in sorted(options.items())},
-    }
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+def _lock_path(out_dir: Path) -> Path:
+    """Where writes of `out_dir` take turns: in the machine's fagen cache, so that nothing but
+    the bundle appears beside it."""
+    digest = hashlib.sha256(os.fsencode(out_dir)).hexdigest()[:24]
+    return paths.cache_root() / "locks" / f"{out_dir.name}-{digest}.lock"
 
 
-def _skipped_records(expansion: Expansion) -> tuple[dict, ...]:
-    return tuple(
-        {"entry": index, "fields": fields, "why": why} for index, fields, why in expansion.skipped
-    )
+def _remove_leftovers(out_dir: Path) -> None:
+    """Staging and old directories of writes of `out_dir` that were killed (the caller holds
+    the lock, so none of them is in use)."""
+    for pattern in (f".{out_dir.name}.building-*", f".{out_dir.name}.old-*"):
+        for leftover in out_dir.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -92,181 +92,67 @@ def _check_replaceable(out_dir: Path) -> None:
             )
 
 
-def _build_one(
-    rendered: RenderedKernel, source_dir: Path, options: NvrtcOptions, cache: KernelCache
-) -> tuple[CachedKernel, bool]:
-    key = cache.key(rendered, options)
-    if (hit := cache.get(key)) is not None:
-        return hit, True
-    compiled = compile_kernel(rendered, source_dir, options)
-    families = tuple(sorted(sass_families(compiled.cubin)))
-    algorithm = algorithm_for(rendered.spec.fa_version, rendered.spec.direction)
-    required = algorithm.required_sass if algorithm else ()
-    if problems := sass_problems(set(families), required):
-        raise CompileError(
-            f"{rendered.name}: " + "; ".join(problems) + f" (SASS families: {', '.join(families)})",
-            compiled.log, source_dir / f"{rendered.name}.cu",
-        )
-    kernel = CachedKernel(compiled.cubin, compiled.resources, families, compiled.seconds)
-    cache.put(key, kernel)
-    return kernel, False
+class BundleWriter:
+    """``with BundleWriter(out) as writer:`` write files into ``writer.staging``, then
+    ``writer.commit(manifest)``; leaving the block without a commit discards the staging
+    directory, ``writer.keep_failed()`` keeps it as `<out>.failed/` instead."""
 
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir).resolve()
+        self.staging: Path | None = None
+        self._lock: FileLock | None = None
 
-def _entry(spec: KernelSpec, kernel: CachedKernel) -> KernelEntry:
-    arch = spec.arch.value
-    info = ARCHS[spec.arch]
-    launch = launch_info(spec)
-    r = kernel.resources
-    return KernelEntry(
-        name=spec.name,
-        key=spec.lookup_key,
-        arch=arch,
-        compute_capability=tuple(info.compute_capability),
-        arch_specific=info.arch_specific,
-        fa_version=spec.fa_version,
-        spec=spec.model_dump(mode="json"),
-        cubin=f"cubin/{arch}/{spec.name}.cubin",
-        source=f"src/{arch}/{spec.name}.cu",
-        sha256=sha256_bytes(kernel.cubin),
-        size=len(kernel.cubin),
-        launch=Launch(**launch.as_dict()),
-        resources=Resources(registers=r.registers, spill_bytes=r.spill_bytes,
-                            stack_bytes=r.stack_bytes, static_smem=r.static_smem),
-        sass=kernel.sass,
-        max_seqlen_k=spec.max_seqlen_k,
-    )
+    @property
+    def failed_dir(self) -> Path:
+        return self.out_dir.with_name(self.out_dir.name + ".failed")
 
-
-def _compile_all(
-    rendered: list[RenderedKernel], options: dict[Arch, NvrtcOptions], staging: Path, jobs: int,
-    cache: KernelCache, progress: ProgressCallback | None,
-) -> list[tuple[CachedKernel, bool]]:
-    """(kernel, came from the cache) per rendered kernel, in order; the first failure raises."""
-    results: list[tuple[CachedKernel, bool] | None] = [None] * len(rendered)
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="fagen-nvrtc") as pool:
-        futures = {
-            pool.submit(_build_one, r, staging / "src" / r.spec.arch.value, options[r.spec.arch],
-                        cache): i
-            for i, r in enumerate(rendered)
-        }
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()
-                index = futures[future]
-                results[index] = future.result()
-                if progress is not None:
-                    kernel, cached = results[index]
-                    progress(_kernel_build(rendered[index].spec, kernel, cached),
-                             sum(r is not None for r in results), len(rendered))
-    return results
-
-
-def _kernel_build(spec: KernelSpec, kernel: CachedKernel, cached: bool) -> KernelBuild:
-    return KernelBuild(spec.name, spec.arch.value, kernel.resources, len(kernel.cubin),
-                       kernel.seconds, cached)
-
-
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "bundle")
-    os.replace(staging, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _keep_failed(staging: Path, out_dir: Path, exc: CompileError) -> CompileError:
-    failed = out_dir.with_name(out_dir.name + ".failed")
-    shutil.rmtree(failed, ignore_errors=True)
-    os.replace(staging, failed)
-    if exc.source_path is None:
-        return exc
-    try:
-        return exc.with_source_path(failed / Path(exc.source_path).relative_to(staging))
-    except ValueError:
-        return exc
-
-
-def build_bundle(
-    expansion: Expansion,
-    out_dir: Path,
-    jobs: int = os.cpu_count() or 1,
-    progress: ProgressCallback | None = None,
-    cache_dir: Path | None = None,
-) -> BuildReport:
-    """Compile every spec of `expansion` into the bundle at `out_dir`, replacing it atomically.
-
-    Raises CompileError for a kernel that does not compile or fails its checks (spills, missing
-    SASS families, local memory), RenderError for a template problem, FileExistsError when
-    `out_dir` holds something that is not a bundle.
-    """
-    start = time.perf_counter()
-    out_dir = Path(out_dir).resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _check_replaceable(out_dir)
-    toolchain = toolchain_versions()
-    cache = KernelCache(cache_dir or cache_root(), compiler_versions(), paths.include_dir())
-
-    with FileLock(str(out_dir.parent / f".{out_dir.name}.lock")):
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-        staging.chmod(0o755)  # mkdtemp makes it private; a bundle is meant to be read by others
+    def __enter__(self) -> "BundleWriter":
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _check_replaceable(self.out_dir)
+        lock = _lock_path(self.out_dir)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = FileLock(str(lock))
+        self._lock.acquire()
         try:
-            rendered = [render(spec) for spec in expansion.specs]
-            for r in rendered:
-                source = staging / "src" / r.spec.arch.value / f"{r.name}.cu"
-                source.parent.mkdir(parents=True, exist_ok=True)
-                source.write_text(r.source)
-            options = {arch: options_for(arch) for arch in {r.spec.arch for r in rendered}}
-            try:
-                built = _compile_all(rendered, options, staging, jobs, cache, progress)
-            except CompileError as exc:
-                raise _keep_failed(staging, out_dir, exc) from None
-            kernels = [kernel for kernel, _ in built]
-            manifest = _write_bundle(expansion, rendered, kernels, options, staging, toolchain)
-            _swap_in(staging, out_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(out_dir.with_name(out_dir.name + ".failed"), ignore_errors=True)
+            _remove_leftovers(self.out_dir)
+            self.staging = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.building-",
+                                                 dir=self.out_dir.parent))
+            self.staging.chmod(0o755)  # mkdtemp makes it private; a bundle is read by others
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
 
-    return BuildReport(
-        bundle_dir=out_dir,
-        manifest=manifest,
-        kernels=tuple(
-            _kernel_build(r.spec, kernel, cached) for r, (kernel, cached) in zip(rendered, built)
-        ),
-        skipped=manifest.skipped,
-        seconds=time.perf_counter() - start,
-    )
-
-
-def _write_bundle(
-    expansion: Expansion, rendered: list[RenderedKernel], kernels: list[CachedKernel],
-    options: dict[Arch, NvrtcOptions], staging: Path, toolchain: dict[str, str],
-) -> Manifest:
-    entries = []
-    for r, kernel in zip(rendered, kernels):
-        entry = _entry(r.spec, kernel)
-        cubin = staging / entry.cubin
-        cubin.parent.mkdir(parents=True, exist_ok=True)
-        cubin.write_bytes(kernel.cubin)
-        entries.append(entry)
-    manifest = Manifest(
-        bundle=expansion.bundle,
-        fingerprint=fingerprint(options, toolchain),
-        toolchain=dict(toolchain),
-        kernels=tuple(entries),
-        skipped=_skipped_records(expansion),
-    )
-    (staging / MANIFEST_NAME).write_text(manifest.to_json())
-    for header in (PARAMS_HEADER, CPP_LOADER_HEADER):
-        target = staging / header
+    def write(self, relative: str, data: bytes | str) -> Path:
+        target = self.staging / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(paths.templates_dir() / header, target)
-    (staging / INDEX_HEADER).write_text(render_index_header(manifest))
-    return manifest
+        if isinstance(data, str):
+            target.write_text(data)
+        else:
+            target.write_bytes(data)
+        return target
+
+    def keep_failed(self) -> Path:
+        """Keep what was written as `<out>.failed/` (for the sources a compile error names)."""
+        shutil.rmtree(self.failed_dir, ignore_errors=True)
+        os.replace(self.staging, self.failed_dir)
+        kept, self.staging = self.staging, None
+        return kept
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write the manifest and the headers, and swap the bundle in."""
+        self.write(MANIFEST_NAME, manifest.to_json())
+        for header in (PARAMS_HEADER, CPP_LOADER_HEADER):
+            self.write(header, (paths.templates_dir() / header).read_bytes())
+        self.write(INDEX_HEADER, render_index_header(manifest))
+        self.write(CONTRACT_HEADER, render_contract_header())
+        _swap_in(self.staging, self.out_dir)
+        self.staging = None
+        shutil.rmtree(self.failed_dir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            self._lock.release()

@@ -1,7 +1,6 @@
 """Stage 2: render kernel specs to CUDA source through the one Jinja environment."""
 
-from .context import LaunchInfo, build_context, launch_info
+from .context import build_context
 from .render import RenderedKernel, RenderError, environment, render
 
-__all__ = ["LaunchInfo", "build_context", "launch_info", "RenderedKernel", "RenderError",
-           "environment", "render"]
+__all__ = ["build_context", "RenderedKernel", "RenderError", "environment", "render"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jinja2
 
 from ..paths import templates_dir
-from ..spec import KernelSpec, algorithm_for
+from ..spec import KernelSpec
 from .context import build_context
 
 _LEFTOVER_MARKERS = ("{{", "{%", "{#")
@@ -39,15 +39,13 @@ def environment() -> jinja2.Environment:
 
 
 def render(spec: KernelSpec) -> RenderedKernel:
-    algorithm = algorithm_for(spec.fa_version, spec.direction)
-    assert algorithm is not None
     try:
-        source = environment().get_template(algorithm.template).render(**build_context(spec))
+        source = environment().get_template(spec.TEMPLATE).render(**build_context(spec))
     except jinja2.TemplateError as exc:
-        raise RenderError(f"{spec.name}: rendering {algorithm.template} failed: {exc}") from exc
+        raise RenderError(f"{spec.name}: rendering {spec.TEMPLATE} failed: {exc}") from exc
     for marker in _LEFTOVER_MARKERS:
         if marker in source:
             line = source[: source.index(marker)].count("\n") + 1
             raise RenderError(f"{spec.name}: rendered source still holds {marker!r} at line {line}")
     return RenderedKernel(spec=spec, name=spec.name, source=source,
-                          template=f"kernels/{algorithm.template}")
+                          template=f"kernels/{spec.TEMPLATE}")

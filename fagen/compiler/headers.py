@@ -8,20 +8,13 @@ NVRTC wheels from reading each other's headers.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 from cuda.bindings import nvrtc
 from filelock import FileLock
 
+from ..paths import cache_root  # re-exported: fagen.compiler.cache_root
 from .errors import ToolchainError
-
-
-def cache_root() -> Path:
-    """Where fagen keeps machine-local caches: FAGEN_CACHE if set, else ~/.cache/fagen."""
-    if env := os.environ.get("FAGEN_CACHE"):
-        return Path(env)
-    return Path.home() / ".cache" / "fagen"
 
 
 def nvrtc_version() -> str:

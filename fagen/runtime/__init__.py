@@ -4,11 +4,14 @@ Imports neither pydantic, Jinja nor NVRTC: a deployed process needs only the bun
 cuda-bindings.
 """
 
-from ..bundle.format import BundleError, KernelEntry
+from ..bundle.format import BundleError
+from ..contract import KernelEntry, ScaleError
+from .call import AttentionError, PreparedAttention, Problem, Tensor, attention, prepare
 from .driver import DriverError
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid, load, runs_on
 
 __all__ = [
-    "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound", "LoadedKernel",
-    "launch_grid", "load", "runs_on",
+    "AttentionError", "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound",
+    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Tensor", "attention",
+    "launch_grid", "load", "prepare", "runs_on",
 ]

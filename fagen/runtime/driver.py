@@ -3,9 +3,10 @@ goes through these helpers.
 
 Kernels are loaded with the context-independent library API (cuLibraryLoadData,
 cuLibraryGetKernel) and launched as CUkernel handles with cuLaunchKernelEx, which runs them in
-the calling thread's current context. In a torch process that context is the device's primary
-context, which torch's runtime calls created; we use it and only retain/set it ourselves on
-threads where no context is current (or where another device's is).
+the calling thread's current context. fagen launches in the device's primary context, the one
+torch and the CUDA runtime use (their memory and streams belong to it): `primary_context(n)`
+makes it current for the duration of a call and puts back whatever the caller had current
+(another device's context, a context of the caller's own, or none).
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ _initialized = False
 # Primary contexts we retained, by device ordinal; never released: a context torch also uses
 # must outlive every fagen kernel, and retaining is reference-counted, so this costs nothing.
 _primary_contexts: dict[int, int] = {}
-# Device of every context seen current, so a launch costs one driver query (cuCtxGetCurrent).
-_context_devices: dict[int, int] = {}
 
 
 def init() -> None:
@@ -76,9 +75,19 @@ def device_handle(ordinal: int):
 
 @functools.lru_cache(maxsize=None)
 def multiprocessor_count(ordinal: int) -> int:
-    """SMs of device `ordinal` (persistent grids are this many times launch.ctas_per_sm)."""
+    """SMs of device `ordinal` (a persistent grid has one CTA per SM)."""
     attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     return int(check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr, device_handle(ordinal))))
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    attrs = cu.CUdevice_attribute
+    device = device_handle(ordinal)
+    return tuple(
+        int(check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr, device)))
+        for attr in (attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                     attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
 
 
 def current_device() -> int | None:
@@ -90,26 +99,41 @@ def current_device() -> int | None:
     return int(check("cuCtxGetDevice", cu.cuCtxGetDevice()))
 
 
-def ensure_context(ordinal: int) -> None:
-    """Make sure the calling thread has a current context on device `ordinal`.
+def _primary_context(ordinal: int) -> int:
+    primary = _primary_contexts.get(ordinal)
+    if primary is None:
+        with _init_lock:
+            if ordinal not in _primary_contexts:
+                handle = check("cuDevicePrimaryCtxRetain",
+                               cu.cuDevicePrimaryCtxRetain(device_handle(ordinal)))
+                _primary_contexts[ordinal] = int(handle)
+            primary = _primary_contexts[ordinal]
+    return primary
 
-    Keeps whatever context is current when it belongs to that device (torch's primary context,
-    or one the caller made); otherwise makes the device's primary context current, the one
-    torch and the CUDA runtime share.
-    """
-    init()
-    ctx = int(check("cuCtxGetCurrent", cu.cuCtxGetCurrent()))
-    if ctx != 0:
-        if ctx not in _context_devices:
-            _context_devices[ctx] = int(check("cuCtxGetDevice", cu.cuCtxGetDevice()))
-        if _context_devices[ctx] == ordinal:
-            return
-    with _init_lock:
-        if ordinal not in _primary_contexts:
-            primary = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device_handle(ordinal)))
-            _primary_contexts[ordinal] = int(primary)
-            _context_devices[int(primary)] = ordinal
-    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(cu.CUcontext(_primary_contexts[ordinal])))
+
+class primary_context:  # noqa: N801 (used like a function: `with primary_context(n):`)
+    """``with primary_context(ordinal):`` device `ordinal`'s primary context is current inside,
+    and the caller's current context (whatever it was, or none) is current again after. Costs
+    one cuCtxGetCurrent when the primary context is current already (a torch process)."""
+
+    __slots__ = ("ordinal", "pushed")
+
+    def __init__(self, ordinal: int):
+        self.ordinal = ordinal
+        self.pushed = False
+
+    def __enter__(self) -> "primary_context":
+        init()
+        primary = _primary_context(self.ordinal)
+        if int(check("cuCtxGetCurrent", cu.cuCtxGetCurrent())) != primary:
+            check("cuCtxPushCurrent", cu.cuCtxPushCurrent(cu.CUcontext(primary)))
+            self.pushed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pushed:
+            self.pushed = False
+            check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
 
 
 def load_library(image: bytes):

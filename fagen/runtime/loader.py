@@ -12,19 +12,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import paths
-from ..bundle.format import BundleError, KernelEntry, Manifest, read_manifest, read_verified_cubin
+from ..bundle.format import BundleError, KernelEntry, read_bundle
 from ..bundle.pack import unpack_cached
 from . import driver
 
 
 def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int) -> tuple[int, int, int]:
-    """The grid for a launch of `entry`: (query blocks, heads, batch), or for a persistent
-    kernel ctas_per_sm CTAs per SM, up to the number of tiles."""
-    m_blocks = -(-seqlen_q // entry.launch.block_m)
-    if entry.launch.persistent:
-        resident = driver.multiprocessor_count(device) * entry.launch.ctas_per_sm
-        return (min(m_blocks * heads_q * batch, resident), 1, 1)
-    return (m_blocks, heads_q, batch)
+    """The grid for a launch of `entry` on device `device` (contract.Launch.grid_dims)."""
+    sms = driver.multiprocessor_count(device) if entry.launch.grid == "persistent" else 0
+    return entry.launch.grid_dims(seqlen_q, heads_q, batch, sms)
 
 
 class KernelNotFound(LookupError):
@@ -64,12 +60,18 @@ def preferred_family(
     key: str,
     compute_capability: tuple[int, int],
     bundle_dir: str | Path = "<bundle>",
+    fa_version: int | None = None,
 ) -> tuple[KernelEntry, ...]:
-    """The entries with exactly `key` that run on `compute_capability` and rank first by
-    algorithm and target (_preference); they differ only in their seqlen_k bounds."""
-    candidates = [e for e in entries if e.key == key and runs_on(e, compute_capability)]
+    """The entries with exactly `key` (and `fa_version`, when given) that run on
+    `compute_capability` and rank first by algorithm and target (_preference); they differ only
+    in their seqlen_k bounds."""
+    candidates = [e for e in entries if e.key == key and runs_on(e, compute_capability)
+                  and fa_version in (None, e.fa_version)]
     if not candidates:
-        raise KernelNotFound(_not_found_message(entries, key, compute_capability, bundle_dir))
+        message = _not_found_message(entries, key, compute_capability, bundle_dir)
+        if fa_version is not None:
+            message = f"(asked for fa_version={fa_version}) " + message
+        raise KernelNotFound(message)
     best = max(_preference(e) for e in candidates)
     return tuple(e for e in candidates if _preference(e) == best)
 
@@ -87,10 +89,12 @@ def select(
     compute_capability: tuple[int, int],
     seqlen_k: int | None = None,
     bundle_dir: str | Path = "<bundle>",
+    fa_version: int | None = None,
 ) -> KernelEntry:
-    """The kernel a call with `seqlen_k` keys runs: the preferred family for the device, then
-    the seqlen_k bound that fits the call best."""
-    return for_length(preferred_family(entries, key, compute_capability, bundle_dir), seqlen_k)
+    """The kernel a call with `seqlen_k` keys runs: the preferred family for the device (of
+    `fa_version`, when given), then the seqlen_k bound that fits the call best."""
+    return for_length(preferred_family(entries, key, compute_capability, bundle_dir, fa_version),
+                      seqlen_k)
 
 
 def _parse_key(key: str) -> dict | None:
@@ -191,12 +195,24 @@ class LoadedKernel:
         device: int | None = None,
         extra_params: tuple[ctypes.Array | ctypes.Structure, ...] = (),
     ) -> None:
-        """Launch on `stream` (a CUstream handle as an int, e.g. torch's ``cuda_stream``) of
-        device `device` (default: the current context's device, else 0). `params` is the
-        FagenFwdParams; TMA kernels take their tensor maps as `extra_params`."""
+        """Launch on `stream` (a CUstream handle as an int, e.g. torch's ``cuda_stream``, of the
+        device's primary context) of device `device` (default: the current context's device,
+        else 0). `params` is the FagenFwdParams; TMA kernels take their tensor maps as
+        `extra_params`. The caller's current context is current again afterwards."""
         if device is None:
             device = driver.current_device() or 0
-        driver.ensure_context(device)
+        with driver.primary_context(device):
+            self.enqueue(params, grid, stream, device, extra_params)
+
+    def enqueue(
+        self,
+        params: ctypes.Structure,
+        grid: tuple[int, int, int],
+        stream: int,
+        device: int,
+        extra_params: tuple[ctypes.Array | ctypes.Structure, ...] = (),
+    ) -> None:
+        """launch() for a caller that made device `device`'s primary context current."""
         if device not in self._ready_devices:
             self._prepare(device)
         launch = self.entry.launch
@@ -206,11 +222,17 @@ class LoadedKernel:
 
 
 class Bundle:
-    """A bundle directory: its manifest, kernel selection, and lazily loaded kernels."""
+    """A bundle directory: its manifest, kernel selection, and lazily loaded kernels.
+
+    Opening reads and verifies every cubin against the manifest (a few milliseconds for the
+    default bundle), so a damaged bundle is refused here rather than at some later first
+    launch, and the process never reads the directory again: rebuilding the bundle in place
+    cannot change what an open Bundle runs (docs/bundle-format.md, "Rebuilding in place").
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()
-        self.manifest: Manifest = read_manifest(self.path)
+        self.manifest, self._images = read_bundle(self.path)
         self._loaded: dict[str, LoadedKernel] = {}
         self._families: dict[tuple, tuple[KernelEntry, ...]] = {}
         self._lock = threading.Lock()
@@ -220,25 +242,28 @@ class Bundle:
         return list(self.manifest.kernels)
 
     def select(self, key: str, compute_capability: tuple[int, int],
-               seqlen_k: int | None = None) -> KernelEntry:
-        """The best entry with exactly `key` that runs on `compute_capability`, for calls with
-        `seqlen_k` keys (see select); raises KernelNotFound (saying what the bundle holds and
-        how to add the kernel) otherwise."""
-        request = (key, tuple(compute_capability))
+               seqlen_k: int | None = None, fa_version: int | None = None) -> KernelEntry:
+        """The best entry with exactly `key` (of `fa_version`, when given) that runs on
+        `compute_capability`, for calls with `seqlen_k` keys (see select); raises
+        KernelNotFound (saying what the bundle holds and how to add the kernel) otherwise."""
+        request = (key, tuple(compute_capability), fa_version)
         family = self._families.get(request)
         if family is None:
             family = self._families[request] = preferred_family(
-                self.manifest.kernels, key, request[1], self.path)
+                self.manifest.kernels, key, request[1], self.path, fa_version)
         return for_length(family, seqlen_k)
 
     def kernel(self, entry: KernelEntry) -> LoadedKernel:
-        """The loaded kernel for `entry`, reading and verifying its cubin on first use."""
+        """The loaded kernel for `entry` (one of this bundle's), handed to the driver on first
+        use from the cubin verified when the bundle was opened."""
         loaded = self._loaded.get(entry.name)
         if loaded is not None:
             return loaded
         with self._lock:
             if entry.name not in self._loaded:
-                image = read_verified_cubin(self.path, entry)
+                image = self._images.get(entry.name)
+                if image is None or entry not in self.manifest.kernels:
+                    raise BundleError(f"{entry.name}: not a kernel of bundle {self.path}")
                 self._loaded[entry.name] = LoadedKernel(entry, image)
             return self._loaded[entry.name]
 

@@ -1,11 +1,12 @@
-"""Stage 1: kernel specs (pydantic models, validation, tuning table, naming, YAML expansion)."""
+"""Stage 1: kernel specs (one pydantic model per algorithm, validation, tuning table, naming,
+YAML expansion)."""
 
-from .algorithms import ALGORITHMS, Algorithm, algorithm_for
+from .algorithms import ALGORITHMS, SPEC_CLASSES, algorithm_for, available
 from .arch import ARCHS, Arch, ArchInfo
-from .model import KernelSpec, TileConfig
+from .base import Constexpr, KernelSpec, TileBase
 from .specfile import Expansion, SpecError, expand, load_spec_file
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "algorithm_for", "ARCHS", "Arch", "ArchInfo",
-    "KernelSpec", "TileConfig", "Expansion", "SpecError", "expand", "load_spec_file",
+    "ALGORITHMS", "SPEC_CLASSES", "algorithm_for", "available", "ARCHS", "Arch", "ArchInfo",
+    "Constexpr", "KernelSpec", "TileBase", "Expansion", "SpecError", "expand", "load_spec_file",
 ]

@@ -1,14 +1,19 @@
-"""Geometry of the FA2 forward kernel (mma.sync), computed once here.
+"""FA2 forward (mma.sync, sm80+): its tile, geometry, template constexprs and launch.
 
-Validation uses it to reject tiles that cannot fit; codegen passes the same numbers to the
-template, which re-checks them with static_assert.
+The geometry is computed once here: validation rejects tiles that cannot fit, codegen passes
+the same numbers to the template, which re-checks them with static_assert.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
-from .arch import MAX_REGISTERS_PER_THREAD
+from pydantic import Field
+
+from .. import contract
+from .arch import MAX_REGISTERS_PER_THREAD, Arch
+from .base import Constexpr, KernelSpec, SoftmaxTricksTile
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 
 MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
@@ -25,6 +30,16 @@ STAGE_RANGE = (1, 4)
 # Measured on the shipped variants (ptxas -v): 40-60; 48 keeps the estimate honest without
 # rejecting tiles that compile without spills.
 REGISTER_OVERHEAD = 48
+
+
+class Fa2Tile(SoftmaxTricksTile):
+    ALGORITHM: ClassVar[str] = "fa2 fwd"
+
+    block_m: int = Field(gt=0, description="query rows per CTA")
+    block_n: int = Field(gt=0, description="key rows per K/V tile")
+    warps: int = Field(gt=0, description="warps per CTA")
+    stages: int = Field(gt=0, description="K/V shared-memory ring depth (1: one K and one V "
+                        "buffer taking turns)")
 
 
 @dataclass(frozen=True)
@@ -92,3 +107,46 @@ class Fa2Geometry(TileGeometry):
                 f"the limit is {MAX_REGISTERS_PER_THREAD}: use fewer rows per warp or a smaller block_n"
             )
         return out
+
+
+class Fa2ForwardSpec(KernelSpec):
+    FA_VERSION: ClassVar[int] = 2
+    DIRECTION: ClassVar[str] = "fwd"
+    TEMPLATE: ClassVar[str] = "fa2_fwd_sm80.cu.j2"
+    ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm80, Arch.sm86, Arch.sm89, Arch.sm90, Arch.sm100a,
+                                         Arch.sm120)
+    WHY_ARCHS: ClassVar[str] = ("mma.sync m16n8k16, ldmatrix and cp.async exist from sm80 on; "
+                                "sm90a adds nothing it uses, so Hopper takes the plain sm90 build")
+    REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HMMA", "LDSM", "LDGSTS")
+
+    fa_version: Literal[2]
+    direction: Literal["fwd"] = "fwd"
+    tile: Fa2Tile
+
+    @staticmethod
+    def geometry_of(head_dim: int, tile: Fa2Tile) -> Fa2Geometry:
+        return Fa2Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
+
+    @property
+    def geometry(self) -> Fa2Geometry:
+        return self.geometry_of(self.head_dim, self.tile)
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        g = self.geometry
+        return [
+            Constexpr("kBlockM", g.block_m),
+            Constexpr("kBlockN", g.block_n),
+            Constexpr("kWarps", g.warps),
+            Constexpr("kThreads", g.threads),
+            Constexpr("kWarpRows", g.warp_rows),
+            Constexpr("kStages", g.stages),
+            Constexpr("kRowPitchBytes", g.row_pitch_bytes),
+            Constexpr("kSmemQBytes", g.smem_q_bytes),
+            Constexpr("kSmemKVStageBytes", g.smem_kv_stage_bytes),
+            Constexpr("kSmemBytes", g.smem_bytes),
+            *self.tile.softmax_constexprs(),
+        ]
+
+    def launch(self) -> contract.Launch:
+        g = self.geometry
+        return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes)

@@ -1,14 +1,22 @@
-"""Geometry of the FA3 forward kernel (wgmma + TMA, sm90a), computed once here.
+"""FA3 forward (wgmma + TMA, sm90a): its tile, geometry, template constexprs and launch.
 
-Validation rejects tiles that cannot fit; codegen passes the same numbers to the template,
-which re-checks them with static_assert.
+Every FA3 kernel has a producer warpgroup (warp specialization), overlaps each warpgroup's
+softmax with its previous P V, and runs on a persistent grid: that is the kernel's structure
+(templates/include/fagen/fa3/forward.cuh), not options. The geometry is computed once here:
+validation rejects tiles that cannot fit, codegen passes the same numbers to the template, which
+re-checks them with static_assert.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
+from pydantic import Field
+
+from .. import contract
+from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, Arch
+from .base import Constexpr, KernelSpec, TileBase
 from .layout import (
     ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems,
 )
@@ -31,19 +39,42 @@ SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
 # 28: hd64 m192n128 with mma_row_sum (S 64 + O and row sums 36 + P 32 = 132) compiles without
 # spills under setmaxnreg 160.
 REGISTER_OVERHEAD = 28
-# Hopper (sm_90): 228 KB of shared memory per SM, of which each resident CTA reserves 1 KB
-# (CUDA C Programming Guide, compute capability 9.0 and "Shared Memory").
-SMEM_PER_SM = 228 * 1024
-SMEM_RESERVED_PER_CTA = 1024
 MBARRIERS_PER_Q_STAGE = 2  # q_full, q_empty
+# Consumer warpgroups per CTA. One-consumer tiles (two CTAs per SM) measured 35-50 % faster than
+# one such CTA per SM but still below the two-consumer tiles (run 23); three consumers keep
+# hd64's short MMAs fed (runs 11-20).
+CONSUMER_CHOICES = (2, 3)
+
+
+class Fa3Tile(TileBase):
+    ALGORITHM: ClassVar[str] = "fa3 fwd"
+
+    block_m: int = Field(gt=0, description="query rows per CTA: 64 per consumer warpgroup")
+    block_n: int = Field(gt=0, description="key rows per K/V tile")
+    warps: int = Field(gt=0, description="warps per CTA: 4 per consumer warpgroup + 4 producer")
+    stages: int = Field(gt=0, description="K/V shared-memory ring depth")
+    pingpong: bool = Field(False, description="the two consumer warpgroups take turns on the MMAs")
+    early_first_qk: bool = Field(
+        False, description="a tile's first Q K^T runs under the previous tile's epilogue (two Q "
+        "buffers)")
+    peel_masked_blocks: bool = Field(
+        False, description="the key blocks that may need a mask run in a loop of their own, so "
+        "that the main loop carries no mask code")
+    mma_row_sum: bool = Field(
+        False, description="the softmax row sums come out of P V (V gets a column of ones) "
+        "instead of one add per score")
+
+    STRUCTURE: ClassVar[dict[str, Any]] = {
+        "warp_specialized": True, "intra_wg_overlap": True, "persistent": True}
+    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("warp_specialized", "ws"), ("pingpong", "pp"), ("intra_wg_overlap", "ov"),
+        ("persistent", "ps"), ("early_first_qk", "fq"), ("peel_masked_blocks", "pm"),
+        ("mma_row_sum", "ms"))
 
 
 @dataclass(frozen=True)
 class Fa3Geometry(TmaRingLayout):
-    warp_specialized: bool
     pingpong: bool
-    intra_wg_overlap: bool
-    persistent: bool
     early_first_qk: bool
     peel_masked_blocks: bool
     mma_row_sum: bool
@@ -54,7 +85,7 @@ class Fa3Geometry(TmaRingLayout):
 
     @property
     def expected_warps(self) -> int:
-        return 4 * (self.consumers + (1 if self.warp_specialized else 0))
+        return 4 * (self.consumers + 1)
 
     @property
     def q_stages(self) -> int:
@@ -83,29 +114,14 @@ class Fa3Geometry(TmaRingLayout):
         return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + MBARRIERS_PER_STAGE * self.stages)
 
     @property
-    def ctas_per_sm(self) -> int:
-        """Two CTAs per SM for warp-specialized tiles with one consumer warpgroup (64 query rows)
-        whose shared memory allows it: each CTA then has the register file half of a
-        two-consumer CTA, and the two CTAs' tile boundaries (first Q K^T, last P V, epilogue)
-        fall at different times, so one CTA's MMAs fill the other's gaps. Measured 35-50 %
-        faster than one such CTA per SM, but still below the two-consumer tiles (run 23), so no
-        tuning-table row uses 64-row tiles."""
-        two_fit = 2 * (self.smem_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM
-        return 2 if self.consumers == 1 and self.warp_specialized and two_fit else 1
-
-    @property
     def consumer_registers(self) -> int:
-        registers_per_cta = REGISTERS_PER_SM // self.ctas_per_sm
-        if not self.warp_specialized:
-            per_thread = registers_per_cta // (128 * self.consumers)
-            return min(MAX_REGISTERS_PER_THREAD, per_thread)
-        share = (registers_per_cta // 128 - PRODUCER_REGISTERS) // self.consumers
+        share = (REGISTERS_PER_SM // 128 - PRODUCER_REGISTERS) // self.consumers
         return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
 
     @property
     def estimated_registers(self) -> int:
-        """Per consumer thread: O and S accumulators and the P fragments (with intra-warpgroup
-        overlap, P of block j-1 is live while S of block j accumulates: that is this term)."""
+        """Per consumer thread: O and S accumulators and the P fragments (with the overlap, P of
+        block j-1 is live while S of block j accumulates: that is this term)."""
         acc_o = self.pv_columns // 2
         acc_s = self.block_n // 2
         p_fragments = self.block_n // 4
@@ -118,24 +134,19 @@ class Fa3Geometry(TmaRingLayout):
                 f"head_dim={self.head_dim}: the FA3 template needs a multiple of {TMA_COLUMNS} "
                 f"(128-byte swizzle atoms) that is a wgmma N in {WGMMA_N}"
             )
-        if self.block_m % CONSUMER_ROWS or self.consumers not in (1, 2, 3):
-            out.append(f"tile.block_m={self.block_m}: must be 64, 128 or 192 (one to three consumer "
-                       "warpgroups)")
+        if self.block_m % CONSUMER_ROWS or self.consumers not in CONSUMER_CHOICES:
+            out.append(f"tile.block_m={self.block_m}: must be 128 or 192 (two or three consumer "
+                       "warpgroups of 64 rows)")
         if self.block_n not in WGMMA_N:
             out.append(f"tile.block_n={self.block_n}: must be a wgmma N in {WGMMA_N}")
         if not out and self.warps != self.expected_warps:
             out.append(
-                f"tile.warps={self.warps}: block_m={self.block_m} with warp_specialized="
-                f"{self.warp_specialized} needs {self.expected_warps} warps"
+                f"tile.warps={self.warps}: block_m={self.block_m} needs {self.expected_warps} warps "
+                f"({self.consumers} consumer warpgroups and the producer)"
             )
-        if self.persistent and not self.warp_specialized:
-            out.append("tile.persistent: needs warp_specialized (the producer loads the next tile)")
-        if self.early_first_qk and not (self.persistent and self.intra_wg_overlap
-                                        and not self.pingpong):
-            out.append("tile.early_first_qk: needs persistent and intra_wg_overlap, without "
-                       "pingpong (a consumer issues the next tile's first Q K^T on its own)")
-        if self.peel_masked_blocks and not self.intra_wg_overlap:
-            out.append("tile.peel_masked_blocks: needs intra_wg_overlap (the loop it splits)")
+        if self.early_first_qk and self.pingpong:
+            out.append("tile.early_first_qk: not with pingpong (a consumer issues the next tile's "
+                       "first Q K^T on its own, outside the turns)")
         if self.mma_row_sum and self.pv_columns > WGMMA_MAX_N:
             out.append(f"tile.mma_row_sum: P V would need N = {self.pv_columns} > {WGMMA_MAX_N} "
                        f"at head_dim={self.head_dim}")
@@ -155,3 +166,54 @@ class Fa3Geometry(TmaRingLayout):
                 f"{self.consumer_registers}"
             )
         return out
+
+
+class Fa3ForwardSpec(KernelSpec):
+    FA_VERSION: ClassVar[int] = 3
+    DIRECTION: ClassVar[str] = "fwd"
+    TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"
+    ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm90a,)
+    WHY_ARCHS: ClassVar[str] = "wgmma and setmaxnreg exist only on sm_90a"
+    REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HGMMA", "UTMALDG", "SYNCS")
+
+    fa_version: Literal[3]
+    direction: Literal["fwd"] = "fwd"
+    tile: Fa3Tile
+
+    @staticmethod
+    def geometry_of(head_dim: int, tile: Fa3Tile) -> Fa3Geometry:
+        return Fa3Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
+                           tile.pingpong, tile.early_first_qk, tile.peel_masked_blocks,
+                           tile.mma_row_sum)
+
+    @property
+    def geometry(self) -> Fa3Geometry:
+        return self.geometry_of(self.head_dim, self.tile)
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        g = self.geometry
+        return [
+            Constexpr("kBlockM", g.block_m),
+            Constexpr("kBlockN", g.block_n),
+            Constexpr("kThreads", g.threads),
+            Constexpr("kStages", g.stages),
+            Constexpr("kQStages", g.q_stages),
+            Constexpr("kPingpong", g.pingpong),
+            Constexpr("kEarlyFirstQk", g.early_first_qk),
+            Constexpr("kPeelMaskedBlocks", g.peel_masked_blocks),
+            Constexpr("kMmaRowSum", g.mma_row_sum),
+            Constexpr("kPVColumns", g.pv_columns),
+            Constexpr("kSmemVStageBytes", g.smem_v_stage_bytes),
+            Constexpr("kProducerRegisters", PRODUCER_REGISTERS),
+            Constexpr("kConsumerRegisters", g.consumer_registers),
+            Constexpr("kSmemQOffset", g.smem_q_offset),
+            Constexpr("kSmemKOffset", g.smem_k_offset),
+            Constexpr("kSmemVOffset", g.smem_v_offset),
+            Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
+            Constexpr("kSmemBytes", g.smem_bytes),
+        ]
+
+    def launch(self) -> contract.Launch:
+        g = self.geometry
+        return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes,
+                               grid="persistent", tma_q_rows=g.block_m, tma_kv_rows=g.block_n)

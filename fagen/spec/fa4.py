@@ -1,13 +1,21 @@
-"""Geometry of the FA4 forward kernel (tcgen05 + TMEM + TMA, sm100a), computed once here.
+"""FA4 forward (tcgen05 + TMEM + TMA, sm100a): its tile, geometry, template constexprs and
+launch.
 
-Validation rejects tiles that cannot fit shared memory or Tensor Memory; codegen passes the same
-numbers to the template, which re-checks them with static_assert.
+The geometry is computed once here: validation rejects tiles that cannot fit shared memory or
+Tensor Memory, codegen passes the same numbers to the template, which re-checks them with
+static_assert.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
+from pydantic import Field
+
+from .. import contract
+from .arch import Arch
+from .base import Constexpr, KernelSpec, SoftmaxTricksTile
 from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
 
 BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
@@ -40,6 +48,15 @@ def tmem_allocation(columns: int) -> int:
     while allocation < columns:
         allocation *= 2
     return allocation
+
+
+class Fa4Tile(SoftmaxTricksTile):
+    ALGORITHM: ClassVar[str] = "fa4 fwd"
+
+    block_m: int = Field(gt=0, description=f"query rows per CTA: {BLOCK_M}")
+    block_n: int = Field(gt=0, description="key rows per K/V tile")
+    warps: int = Field(gt=0, description=f"warps per CTA: {WARPS} (the role table)")
+    stages: int = Field(gt=0, description="K/V shared-memory ring depth")
 
 
 @dataclass(frozen=True)
@@ -86,3 +103,50 @@ class Fa4Geometry(TmaRingLayout):
             )
         out.extend(smem_limit_problems(self, max_smem))
         return out
+
+
+class Fa4ForwardSpec(KernelSpec):
+    FA_VERSION: ClassVar[int] = 4
+    DIRECTION: ClassVar[str] = "fwd"
+    TEMPLATE: ClassVar[str] = "fa4_fwd_sm100.cu.j2"
+    ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm100a,)
+    WHY_ARCHS: ClassVar[str] = "tcgen05 (MMA into Tensor Memory) exists only on sm_100a"
+    # UTCHMMA: tcgen05.mma kind::f16; LDTM: tcgen05.ld; UTCBAR: tcgen05.commit.
+    REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "UTCBAR", "UTMALDG")
+
+    fa_version: Literal[4]
+    direction: Literal["fwd"] = "fwd"
+    tile: Fa4Tile
+
+    @staticmethod
+    def geometry_of(head_dim: int, tile: Fa4Tile) -> Fa4Geometry:
+        return Fa4Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
+
+    @property
+    def geometry(self) -> Fa4Geometry:
+        return self.geometry_of(self.head_dim, self.tile)
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        g = self.geometry
+        return [
+            Constexpr("kBlockM", g.block_m),
+            Constexpr("kBlockN", g.block_n),
+            Constexpr("kThreads", g.threads),
+            Constexpr("kStages", g.stages),
+            Constexpr("kTmemColumns", g.tmem_columns),
+            Constexpr("kSoftmaxRegisters", SOFTMAX_REGISTERS),
+            Constexpr("kCorrectionRegisters", CORRECTION_REGISTERS),
+            Constexpr("kControlRegisters", CONTROL_REGISTERS),
+            Constexpr("kSmemQOffset", g.smem_q_offset),
+            Constexpr("kSmemKOffset", g.smem_k_offset),
+            Constexpr("kSmemVOffset", g.smem_v_offset),
+            Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
+            Constexpr("kSmemControlBytes", g.smem_control_bytes),
+            Constexpr("kSmemBytes", g.smem_bytes),
+            *self.tile.softmax_constexprs(),
+        ]
+
+    def launch(self) -> contract.Launch:
+        g = self.geometry
+        return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes,
+                               tma_q_rows=g.block_m, tma_kv_rows=g.block_n)

@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from .model import KernelSpec, auto_seqlen_bounds
+from .base import KernelSpec
+from .tuning import seqlen_bounds
 
 _BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -63,10 +64,12 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
     for values in itertools.product(*(list_fields[k] for k in names)):
         fields = {**entry, **dict(zip(names, values))}
         try:
-            out.specs.append(KernelSpec.model_validate(fields))
+            spec = KernelSpec.model_validate(fields)
+            out.specs.append(spec)
             # `tile: auto` also builds the tuning table's kernels for short sequences.
-            for bound in auto_seqlen_bounds(fields):
-                out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
+            if fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields:
+                for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.causal):
+                    out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
             why = _first_error(exc)
             if not list_fields:
@@ -93,14 +96,36 @@ def expand(data: dict[str, Any]) -> Expansion:
     return out
 
 
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line: `path:line:column: not valid YAML: problem (context at line, column)`."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return f"{path}: not valid YAML: {' '.join(str(exc).split())}"
+    text = f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({context} that began at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    elif context:
+        text += f" ({context})"
+    return text
+
+
 def load_spec_file(path: str | Path) -> Expansion:
     path = Path(path)
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.y*ml"))
+        hint = f" (YAML files in it: {', '.join(yamls)})" if yamls else ""
+        raise SpecError(f"{path} is a directory, not a spec file{hint}")
     try:
-        data = yaml.safe_load(path.read_text())
+        # A binary stream: pyyaml detects the encoding, and its marks name the file.
+        with open(path, "rb") as stream:
+            data = yaml.safe_load(stream)
     except FileNotFoundError:
         raise SpecError(f"{path}: no such spec file") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the spec file: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        raise SpecError(_yaml_error(path, exc)) from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with 'bundle' and 'kernels'")
     try:

@@ -1,8 +1,9 @@
 """The one tuning table: what `tile: auto` resolves to.
 
-Each row: the head dims it covers, the tile, and why. Within a head-dim bucket the rows are
-tried in order and the first that fits the target's shared memory and registers wins, so a
-smaller-smem target (sm86/sm89/sm120: 99 KB) falls through to a smaller tile.
+Each row: the algorithm's tile (an instance of its tile model), the head dims it covers, and
+why. Within a head-dim bucket of an algorithm the rows are tried in order and the first that
+fits the target's shared memory and registers wins, so a smaller-smem target (sm86/sm89/sm120:
+99 KB) falls through to a smaller tile.
 
 A row may carry `max_seqlen_k`: the tile that measured best for calls with at most that many
 keys. `tile: auto` then yields one kernel per bound of the bucket (plus the unbounded one), and
@@ -13,112 +14,106 @@ kernels; they never make a call fail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .algorithms import algorithm_for
 from .arch import ARCHS, Arch
+from .base import TileBase
+from .fa1 import Fa1Tile
+from .fa2 import Fa2Tile
+from .fa3 import Fa3Tile
+from .fa4 import Fa4Tile
+
+if TYPE_CHECKING:
+    from .base import KernelSpec
 
 
 @dataclass(frozen=True)
 class TuningRow:
-    fa_version: int
+    tile: TileBase
     max_head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
     reason: str
-    warp_specialized: bool = False
-    pingpong: bool = False
-    intra_wg_overlap: bool = False
-    persistent: bool = False
-    early_first_qk: bool = False
-    peel_masked_blocks: bool = False
-    mma_row_sum: bool = False
-    exp2_emulation: float | None = None
-    rescale_threshold: float | None = None
     causal: bool | None = None  # None: the row serves both masks
     max_seqlen_k: int | None = None  # None: any seqlen_k not covered by a bounded row
 
-    def tile_fields(self) -> dict:
-        """The row's tile: sizes, the flags it sets and the options it gives (flags left False
-        and options left None are the tile's defaults)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_TILE}
-        return {name: value for name, value in values.items()
-                if value is not False and value is not None}
-
-
-# TuningRow fields that select or explain the row rather than describe its tile.
-_NOT_TILE = frozenset({"fa_version", "max_head_dim", "reason", "causal", "max_seqlen_k"})
-
 
 TABLE: tuple[TuningRow, ...] = (
+    # ---- FA1 forward (mma.sync; the lineage bundle only). FA1 is the baseline the lineage
+    # benchmark measures FA2 and FA3 against, so its tiles are plain, not tuned: 16 rows per warp
+    # (the inner loop visits every query block of a head), 4 warps, and the widest key block
+    # whose K and V tiles, with two Q buffers, fit 99 KB parts too where the arithmetic allows.
+    # Register and shared-memory counts are the geometry's (fagen/spec/fa1.py). ----
+    TuningRow(Fa1Tile(block_m=64, block_n=128, warps=4), 64,
+              "64 x 128 tile: S 64 + O 32 regs per thread; Q 2 x 9 KB + K, V 2 x 18 KB = 54 KB"),
+    TuningRow(Fa1Tile(block_m=64, block_n=128, warps=4), 128,
+              "S 64 + O 64 regs; Q 2 x 17 KB + K, V 2 x 34 KB = 102 KB (sm80, sm90)"),
+    TuningRow(Fa1Tile(block_m=64, block_n=64, warps=4), 128,
+              "fallback for 99 KB parts: K, V 2 x 17 KB, 68 KB in all"),
+    TuningRow(Fa1Tile(block_m=64, block_n=64, warps=4), 256,
+              "O alone is 128 regs per thread at head_dim 256, so block_n 64 (S 32); Q 2 x 33 KB "
+              "+ K, V 2 x 33 KB = 132 KB (sm80, sm90)"),
+    TuningRow(Fa1Tile(block_m=64, block_n=32, warps=4), 256,
+              "fallback for 99 KB parts: 99 KB"),
     # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
     # H200 tile sweep of 2026-11-30 (bench/tile_sweep.py, docs/performance.md), seqlen 4k. ----
-    TuningRow(2, 64, 128, 64, 4, 2,
+    TuningRow(Fa2Tile(block_m=128, block_n=64, warps=4, stages=2), 64,
               "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; 1.06x/1.02x "
               "SDPA-FA2 (full/causal), within 1% of block_n 128, which spills on sm80; 55 KB smem"),
-    TuningRow(2, 64, 64, 64, 4, 2,
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 64,
               "fallback for 99 KB parts: 16 rows per warp, 55 KB smem"),
-    TuningRow(2, 128, 128, 32, 4, 2,
+    TuningRow(Fa2Tile(block_m=128, block_n=32, warps=4, stages=2), 128,
               "32 rows per warp with block_n 32 keeps O (128) + S (32) under 255 regs (244-253, "
               "no spills on sm80/86/90): 0.94x/0.97x SDPA-FA2 against 0.82x/0.81x for 16 rows "
               "per warp (m128n64w8); head_dim 96 takes it by the same register arithmetic"),
-    TuningRow(2, 128, 64, 64, 4, 2,
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 128,
               "fallback for 99 KB parts: 16 rows per warp, 52 KB smem"),
-    TuningRow(2, 256, 128, 64, 8, 1,
+    TuningRow(Fa2Tile(block_m=128, block_n=64, warps=8, stages=1), 256,
               "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps. One K and one V "
               "buffer (stages 1) instead of a 2-stage ring: 0.93/0.93x SDPA-FA2 (full/causal) at "
               "2k against 0.90/0.90x (H200 run 13, 2026-11-30); 64x64 with 4 warps (2 CTAs per "
               "SM, SDPA-FA2's own tile) measured 0.90/0.94x; 132 KB smem at head_dim 256, so "
               "sm80 (163 KB) takes this row too (not measured on an A100)"),
-    TuningRow(2, 256, 64, 32, 4, 2,
+    TuningRow(Fa2Tile(block_m=64, block_n=32, warps=4, stages=2), 256,
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
     # ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer
-    # warpgroup, warp specialization + intra-warpgroup overlap (+ ping-pong where it measured
-    # better), each measured in the ablation of docs/performance.md. Persistent grids (_ps)
-    # hide each tile's Q/K load latency behind the previous tile; under the causal mask they
-    # walk pairs of heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps
-    # of 2026-11-30 (runs 11-30, docs/performance.md), ratios to cuDNN in the same run; rows
-    # with max_seqlen_k serve calls with at most that many keys. ----
+    # warpgroup, the softmax overlapped with the previous P V inside each warpgroup, a
+    # persistent grid (the kernel's structure, each measured in the ablations listed in
+    # docs/performance.md), ping-pong where it measured better. The persistent grid hides each
+    # tile's Q/K load latency behind the previous tile; under the causal mask it walks pairs of
+    # heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps of 2026-11-30
+    # (runs 11-30), ratios to cuDNN in the same run; rows with max_seqlen_k serve calls with at
+    # most that many keys. ----
     # Head dim 64 peels the key blocks that may need a mask out of the main loop
     # (peel_masked_blocks): 1.00-1.03x the one-loop kernels at 1k-16k, both masks, in run 54;
     # head dims 128 and 256 measured 0.94-1.02x with it (the ping-pong tiles lowest) and keep
     # one loop.
-    TuningRow(3, 64, 128, 128, 12, 3,
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, early_first_qk=True,
+                      peel_masked_blocks=True), 64,
               "non-causal up to 512 keys, where a tile is only 4 key blocks: early_first_qk (the "
               "next tile's first Q K^T runs under this tile's epilogue) with three K/V stages, "
               "so that the next tile's first K has landed by then (with two it loses 5-10 %, "
               "run 47 sweep16): 388 against 369 (three stages without it) and 360 TFLOP/s (the "
               "two-stage row below) in sweep16, 374 against 358 in the bundle (run 48); at 1k "
               "+1 % in the sweep, -3 % in the bundle, so 1k keeps the row below",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, early_first_qk=True,
-              peel_masked_blocks=True, causal=False, max_seqlen_k=512),
-    TuningRow(3, 64, 128, 128, 12, 2,
+              causal=False, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
               "short non-causal rows: 128-row tiles waste less of the last query block than "
               "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
               "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9). "
               "64-row tiles with two CTAs per SM measured below it at 512-4k (338 vs 350 at 512, "
-              "run 23, sweep11)",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True,
-              peel_masked_blocks=True, causal=False,
-              max_seqlen_k=1024),
-    TuningRow(3, 64, 128, 128, 12, 3,
+              "run 23, sweep11)", causal=False, max_seqlen_k=1024),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, peel_masked_blocks=True), 64,
               "causal up to 512 keys: a third K/V stage (113 KB smem) measured 240/242 against "
               "235/237 TFLOP/s for two stages (+2 %, two repeats, run 30 sweep14; +1 % in the "
               "shipped bundle, run 31) and equal at 1k; why only the shortest rows gain is not "
-              "established",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True,
-              peel_masked_blocks=True, causal=True,
-              max_seqlen_k=512),
-    TuningRow(3, 64, 128, 128, 12, 2,
+              "established", causal=True, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
               "causal up to 4k: 304/370/406 TFLOP/s at 1k/2k/4k (0.91/0.98/0.98x cuDNN) against "
               "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
               "that the overlap inside a warpgroup works (run 20, sweep9)",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True,
-              peel_masked_blocks=True, causal=True,
-              max_seqlen_k=4096),
-    TuningRow(3, 64, 192, 128, 16, 2,
+              causal=True, max_seqlen_k=4096),
+    TuningRow(Fa3Tile(block_m=192, block_n=128, warps=16, stages=2, peel_masked_blocks=True,
+                      mma_row_sum=True), 64,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 (+4) + P 32 regs) "
               "keep 12 consumer warps per SM busy where hd64's short MMAs leave 8 waiting on "
               "softmax; persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
@@ -126,84 +121,69 @@ TABLE: tuple[TuningRow, ...] = (
               "431. The row sums come out of P V (mma_row_sum: 386 instead of 448 main-loop "
               "instructions): +1...+5 % at 2k-16k non-causal, 0...+3 % causal 8k-16k (runs 57, "
               "58); on the two-consumer rows above it measured -5...+1 % (idle MUFU time, not "
-              "issue slots, is what those lose: run 58). 121 KB smem",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True,
-              peel_masked_blocks=True, mma_row_sum=True),
-    TuningRow(3, 128, 128, 128, 12, 2,
+              "issue slots, is what those lose: run 58). 121 KB smem"),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, pingpong=True), 128,
               "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
               "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "
-              "sweep9); 161 KB smem",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
-              causal=False, max_seqlen_k=1024),
-    TuningRow(3, 128, 128, 160, 12, 2,
+              "sweep9); 161 KB smem", causal=False, max_seqlen_k=1024),
+    TuningRow(Fa3Tile(block_m=128, block_n=160, warps=12, stages=2, pingpong=True), 128,
               "non-causal: persistent, ping-pong; 582/609/626 TFLOP/s at 2k/4k/8k (0.99/1.02/"
               "1.03x cuDNN) against 558/575/611 without ping-pong and 539/582/616 for block_n 176 "
               "non-persistent (which spills 12 bytes when persistent) in run 20 (sweep9); S 80 + "
-              "O 64 + P 40 regs fit the 240 of a consumer; 193 KB smem",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
-              causal=False),
-    TuningRow(3, 128, 128, 128, 12, 2,
+              "O 64 + P 40 regs fit the 240 of a consumer; 193 KB smem", causal=False),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 128,
               "causal: persistent pairs without ping-pong: 397/485/545/577 TFLOP/s at 1k-8k "
               "(0.94/1.00/1.04/1.06x cuDNN) against 377/459/519/549 with it, 5% slower since the "
               "softmax overlaps the warpgroup's own P V (run 20, sweep9); block_n 160 wastes more "
               "of each diagonal block (437 at 2k); 161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True),
-    TuningRow(3, 256, 128, 80, 12, 2,
+              causal=True),
+    TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2, pingpong=True), 256,
               "non-causal: O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 "
               "(S 40 + P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "
               "(629 vs 588 TFLOP/s at 4k, run 6). Persistent with ping-pong: 549/619/666/698 "
               "TFLOP/s at 1k-8k (0.91/0.98/1.00/1.05x cuDNN) against 529/586/651/679 for the "
-              "one-tile kernel without it (run 20, sweep9); 225 KB smem",
-              warp_specialized=True, pingpong=True, intra_wg_overlap=True, persistent=True,
-              causal=False),
-    TuningRow(3, 256, 128, 64, 12, 2,
+              "one-tile kernel without it (run 20, sweep9); 225 KB smem", causal=False),
+    TuningRow(Fa3Tile(block_m=128, block_n=64, warps=12, stages=2), 256,
               "causal up to 512 keys: a 512-key row is 8 blocks of 64 (the diagonal ones wasting "
               "less) against 6.4 of 80; 274/269 TFLOP/s against 259/260 for block_n 80 (runs 22 "
-              "and 23, sweep10/11; equal at 1k); 193 KB smem",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True,
-              max_seqlen_k=512),
-    TuningRow(3, 256, 128, 80, 12, 2,
+              "and 23, sweep10/11; equal at 1k); 193 KB smem", causal=True, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2), 256,
               "causal: block_n 80 as above; persistent pairs 392/504/588/642 TFLOP/s at 1k-8k "
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
-              warp_specialized=True, intra_wg_overlap=True, persistent=True, causal=True),
+              causal=True),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation
     # 1/4: MUFU does 16 exp2/clk/SM, the FMA pipe 128 ops/clk/SM and the polynomial costs ~7
     # ops, so the pipes would balance near 1/2; the FMA pipe also carries the scale, max, sum
     # and conversions, hence a conservative 1/4 until measured. ----
-    TuningRow(4, 64, 128, 128, 12, 4,
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=4, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 64,
               "S x2 + O = 320 TMEM columns (512 allocated); 148 KB smem: 4 stages of 32 KB K+V "
-              "hide TMA latency behind two blocks of MMA",
-              exp2_emulation=0.25, rescale_threshold=8.0),
-    TuningRow(4, 128, 128, 128, 12, 3,
+              "hide TMA latency behind two blocks of MMA"),
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=3, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 128,
               "FA4 paper's 128x128 tile: S x2 + O = 384 TMEM columns; Q 32 KB + 3 stages x 64 KB "
-              "K+V = 227 KB minus 320 bytes: the deepest ring that fits",
-              exp2_emulation=0.25, rescale_threshold=8.0),
-    TuningRow(4, 256, 128, 64, 12, 2,
+              "K+V = 227 KB minus 320 bytes: the deepest ring that fits"),
+    TuningRow(Fa4Tile(block_m=128, block_n=64, warps=12, stages=2, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 256,
               "block_n 128 would need 2 x 128 + 256 = 512 TMEM columns and 2 stages of 128 KB; "
-              "block_n 64: 384 columns, 199 KB smem at head_dim 256",
-              exp2_emulation=0.25, rescale_threshold=8.0),
+              "block_n 64: 384 columns, 199 KB smem at head_dim 256"),
 )
 
 
-def _bucket_rows(fa_version: int, head_dim: int, causal: bool) -> list[TuningRow]:
-    rows = [r for r in TABLE if r.fa_version == fa_version and head_dim <= r.max_head_dim
+def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, causal: bool) -> list[TuningRow]:
+    tile_model = algorithm.model_fields["tile"].annotation
+    rows = [r for r in TABLE if type(r.tile) is tile_model and head_dim <= r.max_head_dim
             and r.causal in (None, causal)]
     if not rows:
         raise ValueError(
-            f"tile: auto has no entry for fa_version={fa_version} at head_dim={head_dim}; "
-            "give the tile explicitly"
+            f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
+            f"{algorithm.DIRECTION} at head_dim={head_dim}; give the tile explicitly"
         )
     bucket = min(r.max_head_dim for r in rows)
     return [r for r in rows if r.max_head_dim == bucket]
-
-
-def _fit_problems(row: TuningRow, fa_version: int, arch: Arch, head_dim: int) -> list[str]:
-    # A row carries every tile attribute the geometry reads.
-    geometry = algorithm_for(fa_version, "fwd").geometry(head_dim, row)
-    return geometry.problems(ARCHS[arch].max_smem_per_block)
 
 
 def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | None:
@@ -215,38 +195,40 @@ def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | N
     return min(covering) if covering else None
 
 
-def resolve_tile(fa_version: int, arch: Arch, head_dim: int, causal: bool = False,
-                 max_seqlen_k: int | None = None) -> TuningRow:
-    """The first row of this algorithm's head-dim bucket that fits `arch` and the mask, among
-    the rows that serve calls of up to `max_seqlen_k` keys (None: the unbounded rows).
+def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, causal: bool = False,
+                 max_seqlen_k: int | None = None) -> TileBase:
+    """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch` and the
+    mask, among the rows that serve calls of up to `max_seqlen_k` keys (None: the unbounded
+    rows).
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = _bucket_rows(fa_version, head_dim, causal)
+    rows = _bucket_rows(algorithm, head_dim, causal)
     bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
     for row in (r for r in rows if r.max_seqlen_k == bound):
-        problems = _fit_problems(row, fa_version, arch, head_dim)
+        problems = algorithm.geometry_of(head_dim, row.tile).problems(ARCHS[arch].max_smem_per_block)
         if not problems:
-            return row
-        tried.append(f"m{row.block_m}n{row.block_n}w{row.warps}s{row.stages}: {'; '.join(problems)}")
+            return row.tile
+        tried.append(f"{row.tile.sizes}: {'; '.join(problems)}")
     raise ValueError(
-        f"tile: auto found no fitting tile for fa_version={fa_version}, arch={arch.value}, "
-        f"head_dim={head_dim}: " + " | ".join(tried)
+        f"tile: auto found no fitting tile for fa_version={algorithm.FA_VERSION}, "
+        f"arch={arch.value}, head_dim={head_dim}: " + " | ".join(tried)
     )
 
 
-def seqlen_bounds(fa_version: int, arch: Arch, head_dim: int, causal: bool = False) -> list[int]:
+def seqlen_bounds(algorithm: type[KernelSpec], arch: Arch, head_dim: int,
+                  causal: bool = False) -> list[int]:
     """The seqlen_k bounds `tile: auto` builds extra kernels for on this target, ascending:
     those with a fitting row whose tile differs from the unbounded choice."""
-    rows = _bucket_rows(fa_version, head_dim, causal)
-    general = resolve_tile(fa_version, arch, head_dim, causal)
+    rows = _bucket_rows(algorithm, head_dim, causal)
+    general = resolve_tile(algorithm, arch, head_dim, causal)
     bounds = []
     for bound in sorted({r.max_seqlen_k for r in rows} - {None}):
         try:
-            row = resolve_tile(fa_version, arch, head_dim, causal, bound)
+            tile = resolve_tile(algorithm, arch, head_dim, causal, bound)
         except ValueError:
             continue  # no row of this bound fits the target
-        if row.tile_fields() != general.tile_fields():
+        if tile != general:
             bounds.append(bound)
     return bounds

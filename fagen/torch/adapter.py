@@ -7,12 +7,14 @@ first; any view whose last dimension is contiguous and whose strides are multipl
 a transpose of (batch, heads, seqlen, head_dim), or a broadcast K/V) is used as is, except that
 TMA kernels (FA3) copy broadcast (stride 0) tensors, which a tensor map cannot describe.
 
-Everything that touches files, the bundle or the driver runs inside the custom op, out of
-torch.compile's sight; the public function only forwards its arguments.
+The adapter keeps what is torch's: the tensor checks, the copies, the output allocations, the
+cache of prepared launches and the custom op. Selecting, checking, parameterising and launching
+the kernel is fagen.runtime.call's (the same call without torch). Everything that touches
+files, the bundle or the driver runs inside the custom op, out of torch.compile's sight; the
+public function only checks and forwards its arguments.
 """
 
 # No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
-import ctypes
 import functools
 import math
 import os
@@ -23,19 +25,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .. import paths
-from ..abi import FwdParams
-from ..bundle.format import Launch
-from ..runtime import Bundle, LoadedKernel, driver, launch_grid, load
-
-LOG2_E = math.log2(math.e)
-# Mirrors fagen.spec.model (not imported: the runtime path stays free of pydantic).
-MAX_HEAD_DIM = 256
-HEAD_DIM_MULTIPLE = 8
-ALIGNMENT_BYTES = 16
-STRIDE_MULTIPLE = 8
-MAX_GRID_YZ = 65535
-TMA_BOX_COLUMNS = 64  # FagenTmaMaps (params.h): boxes of 64 columns, 128-byte swizzle
+from .. import contract, paths
+from ..contract import ALIGNMENT_BYTES, STRIDE_MULTIPLE
+from ..runtime import Bundle, driver, load
+from ..runtime import call as runtime_call
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -82,7 +75,7 @@ def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
 
 
 def kernel_key(dtype: torch.dtype, head_dim: int, causal: bool) -> str:
-    return f"fwd/{_DTYPE_NAMES[dtype]}/hd{head_dim}/{'causal' if causal else 'full'}"
+    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, causal)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -112,11 +105,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"fagen.flash_attn_func: nheads_q={heads_q} must be a multiple of nheads_kv={heads_kv}"
         )
-    if head_dim % HEAD_DIM_MULTIPLE or not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"fagen.flash_attn_func: head_dim={head_dim}; fagen kernels take a multiple of "
-            f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
-        )
+    if problem := contract.head_dim_problem(head_dim):
+        raise ValueError(f"fagen.flash_attn_func: {problem}")
 
 
 def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,92 +142,35 @@ def _kernel_ready(t: torch.Tensor, uses_tma: bool = False) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-@functools.lru_cache(maxsize=1024)
-def _encode_tensor_map(*arguments) -> bytes:
-    """driver.encode_tiled_tensor_map, remembered: a map depends only on its arguments, and
-    torch's caching allocator hands the same addresses back for same-shaped tensors, so
-    repeated shapes skip the driver call."""
-    return driver.encode_tiled_tensor_map(*arguments)
+def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
+    """A kernel-ready tensor as the runtime takes it."""
+    return runtime_call.Tensor(t.data_ptr(), *_kernel_strides(t))
 
 
-def _tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
-    batch_stride, row_stride, head_stride = _kernel_strides(t, nonzero=True)
-    batch, seqlen, heads, head_dim = t.shape
-    element = t.element_size()
-    return _encode_tensor_map(
-        _DTYPE_NAMES[t.dtype],
-        t.data_ptr(),
-        (head_dim, seqlen, heads, batch),
-        (row_stride * element, head_stride * element, batch_stride * element),
-        (TMA_BOX_COLUMNS, box_rows, 1, 1),
-    )
-
-
-def tma_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, launch: Launch) -> ctypes.Array:
-    """FagenTmaMaps (params.h) for kernel-ready q, k, v: maps over (head_dim, seqlen, heads,
-    batch), boxes of launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
-    blob = b"".join(
-        _tensor_map(t, rows)
-        for t, rows in ((q, launch.tma_q_rows), (k, launch.tma_kv_rows), (v, launch.tma_kv_rows))
-    )
-    return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
-
-
-def fwd_params(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float
-) -> FwdParams:
-    """The kernel's parameter struct for kernel-ready q, k, v, a contiguous out (like q) and
-    lse (batch, heads_q, seqlen_q)."""
-    q_batch, q_row, q_head = _kernel_strides(q)
-    k_batch, k_row, k_head = _kernel_strides(k)
-    v_batch, v_row, v_head = _kernel_strides(v)
-    o_batch, o_row, o_head = _kernel_strides(out)
-    return FwdParams(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
-        q_batch_stride=q_batch, q_row_stride=q_row, q_head_stride=q_head,
-        k_batch_stride=k_batch, k_row_stride=k_row, k_head_stride=k_head,
-        v_batch_stride=v_batch, v_row_stride=v_row, v_head_stride=v_head,
-        o_batch_stride=o_batch, o_row_stride=o_row, o_head_stride=o_head,
-        lse_batch_stride=lse.stride(0), lse_head_stride=lse.stride(1),
-        batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-        scale_log2=scale * LOG2_E,
-    )
+def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> runtime_call.Problem:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
+                                     heads_q, k.shape[2], head_dim)
 
 
 class _PreparedLaunch(NamedTuple):
-    """Everything a launch needs except the output addresses, which change per call."""
+    """A launch prepared by the runtime, and what the adapter adds: the device and, until the
+    launch is enqueued, the kernel-ready q, k, v the parameters point to (copies where the
+    inputs needed one); () once kept for later calls, which must not keep the caller's tensors
+    alive (the addresses are part of the cache key instead)."""
 
-    kernel: LoadedKernel
-    grid: tuple[int, int, int]
-    params: bytes  # FagenFwdParams with o = lse = 0
-    extra_params: tuple  # TMA maps of FA3 kernels
-    device: int
-    # The kernel-ready q, k, v the parameters point to (copies where the inputs needed one),
-    # held until the launch is enqueued; () once kept for later calls, which must not keep the
-    # caller's tensors alive (the addresses are part of the cache key instead).
+    attention: runtime_call.PreparedAttention
     inputs: tuple
 
 
-def _prepare(
-    kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, scale: float,
-) -> _PreparedLaunch:
-    batch, seqlen_q, heads_q, _ = q.shape
-    device = q.device
-    grid = launch_grid(entry, seqlen_q, heads_q, batch, device.index)
-    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
-        raise ValueError(
-            f"fagen.flash_attn_func: nheads_q={heads_q} and batch={batch} must each be at most "
-            f"{MAX_GRID_YZ} (CUDA grid limit)"
-        )
+def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, causal: bool, softmax_scale: float | None) -> _PreparedLaunch:
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
-    params = fwd_params(q, k, v, out, lse, scale)
-    params.o = params.lse = 0
-    with torch.cuda.device(device):
-        extra_params = (tma_maps(q, k, v, entry.launch),) if uses_tma else ()
-    return _PreparedLaunch(kernels.kernel(entry), grid, bytes(params), extra_params, device.index,
-                           (q, k, v))
+    prepared = runtime_call.prepare(
+        kernels, _problem(q, k, causal), _tensor(q), _tensor(k), _tensor(v), _tensor(out),
+        softmax_scale, q.device.index, entry)
+    return _PreparedLaunch(prepared, (q, k, v))
 
 
 # torch's raw-stream query is ~20x cheaper than torch.cuda.current_stream(device); both name the
@@ -252,21 +185,32 @@ def _current_stream(device: int) -> int:
 
 
 def _launch(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:
-    params = FwdParams.from_buffer_copy(prepared.params)
-    params.o, params.lse = out.data_ptr(), lse.data_ptr()
-    prepared.kernel.launch(params, prepared.grid, _current_stream(prepared.device),
-                           device=prepared.device, extra_params=prepared.extra_params)
+    """Enqueue on torch's current stream (the caller made the primary context current)."""
+    attention = prepared.attention
+    workspace = 0
+    if attention.workspace_bytes:
+        # Freed by the caching allocator once this stream's work is done with it.
+        workspace = torch.empty(attention.workspace_bytes // 4, dtype=torch.float32,
+                                device=out.device).data_ptr()
+    attention.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(attention.device), workspace)
 
 
 def prepare_launch(
     kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, scale: float,
+    out: torch.Tensor, lse: torch.Tensor, softmax_scale: float | None = None,
 ):
-    """Everything a launch of `entry` on these tensors needs (grid, kernel-ready copies, the
-    parameter struct, TMA maps, the loaded kernel), done once; returns the launch itself, which
-    enqueues on torch's current stream when called."""
-    prepared = _prepare(kernels, entry, q, k, v, out, lse, scale)
-    return functools.partial(_launch, prepared, out, lse)
+    """Everything a launch of `entry` (any kernel of the bundle for its key) on these tensors
+    needs, done once; returns the launch itself, which enqueues on torch's current stream when
+    called. For tests and benchmarks that run a chosen kernel."""
+    causal = contract.KernelKey.parse(entry.key).causal
+    with driver.primary_context(q.device.index):
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, softmax_scale)
+    return functools.partial(_launch_in_primary_context, prepared, out, lse)
+
+
+def _launch_in_primary_context(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:
+    with driver.primary_context(prepared.attention.device):
+        _launch(prepared, out, lse)
 
 
 # Prepared launches of earlier calls, by everything they depend on. A training or serving loop
@@ -293,38 +237,40 @@ def _flash_attn_fwd(
     softmax_scale: Optional[float],
     bundle: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Allocations and the launch run in the device's primary context (torch's), whatever the
+    # caller had current: memory and streams belong to the context they were made in.
     signature = _call_signature(bundle, q, k, v, causal, softmax_scale)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-        _launch(prepared, out, lse)
+        with driver.primary_context(prepared.attention.device):
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+            _launch(prepared, out, lse)
         return out, lse
 
     _check_inputs(q, k, v)
     _check_device(q, k, v)
-    kernels = get_bundle(bundle)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    entry = kernels.select(
-        kernel_key(q.dtype, head_dim, causal), torch.cuda.get_device_capability(q.device), seqlen_k
-    )
-    out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if seqlen_k == 0:
-        # No key to attend to: the defined result of a row that sees nothing.
-        out.zero_()
-        lse.fill_(-math.inf)
-        return out, lse
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    prepared = _prepare(kernels, entry, q, k, v, out, lse, scale)
-    if all(ready is given for ready, given in zip(prepared.inputs, (q, k, v))):
-        if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
-            _prepared_launches.clear()
-        _prepared_launches[signature] = prepared._replace(inputs=())
-    _launch(prepared, out, lse)
+    contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
+    kernels = get_bundle(bundle)
+    device = q.device.index
+    entry = runtime_call.select(kernels, _problem(q, k, causal), device)
+    with driver.primary_context(device):
+        out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        if out.numel() == 0:
+            return out, lse
+        if k.shape[1] == 0:
+            # No key to attend to: the defined result of a row that sees nothing.
+            out.zero_()
+            lse.fill_(-math.inf)
+            return out, lse
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, softmax_scale)
+        if all(ready is given for ready, given in zip(prepared.inputs, (q, k, v))):
+            if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
+                _prepared_launches.clear()
+            _prepared_launches[signature] = prepared._replace(inputs=())
+        _launch(prepared, out, lse)
     return out, lse
 
 
@@ -340,33 +286,107 @@ def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale, bundle):
     return out, lse
 
 
+_NO_BACKWARD = (
+    "fagen's kernels are forward-only today: a call whose q, k or v requires grad (with grad "
+    "mode on) would return an output with no gradient. Run inference under torch.no_grad() or "
+    "torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention where "
+    "gradients are needed"
+)
+
+
+def _refuse_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(f"fagen.flash_attn_func: {_NO_BACKWARD}")
+
+
+def _no_backward_context(ctx, inputs, output) -> None:
+    """The op's autograd: called only when a gradient would be recorded, so the op itself (used
+    directly or from a traced graph) refuses the call too."""
+    raise RuntimeError(f"fagen::flash_attn_fwd: {_NO_BACKWARD}")
+
+
+flash_attn_fwd.register_autograd(lambda ctx, *grads: None, setup_context=_no_backward_context)
+
+
+# flash-attn's flash_attn_func options fagen does not implement, with the value that means "off":
+# that value is accepted (it changes nothing), any other is refused rather than ignored.
+_UNSUPPORTED_OPTIONS = {
+    "dropout_p": (0.0, "fagen's kernels have no dropout"),
+    "window_size": ((-1, -1), "fagen's kernels have no sliding-window mask"),
+    "softcap": (0.0, "fagen's kernels do not cap the scores"),
+    "alibi_slopes": (None, "fagen's kernels have no ALiBi bias"),
+    "deterministic": (False, "fagen has no backward pass yet, so nothing to make deterministic"),
+    "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
+}
+
+
+def _check_options(extra_positional: tuple, options: dict) -> None:
+    if extra_positional:
+        raise TypeError(
+            "fagen.flash_attn_func takes q, k and v positionally and everything else by keyword "
+            f"(causal=..., softmax_scale=...); got {len(extra_positional)} more positional "
+            "argument(s). flash-attn's 4th positional argument is dropout_p, which fagen does "
+            "not support")
+    for name, value in options.items():
+        if name not in _UNSUPPORTED_OPTIONS:
+            raise TypeError(f"fagen.flash_attn_func got an unexpected keyword argument {name!r}")
+        off, why = _UNSUPPORTED_OPTIONS[name]
+        if not _is_off(value, off):
+            raise NotImplementedError(
+                f"fagen.flash_attn_func: {name}={value!r} is not supported ({why}); only "
+                f"{name}={off!r} is accepted")
+
+
+def _is_off(value, off) -> bool:
+    if off is None or isinstance(off, bool):
+        return value is off
+    if isinstance(off, tuple):
+        return isinstance(value, (tuple, list)) and tuple(value) == off
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == off
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *extra_positional,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     bundle: str | os.PathLike | Bundle | None = None,
+    **flash_attn_options,
 ):
     """Attention forward in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k and v
-    (batch, seqlen_k, nheads_kv, head_dim), fp16 or bf16 on one CUDA device.
+    (batch, seqlen_k, nheads_kv, head_dim), fp16 or bf16 on one CUDA device. Everything after
+    q, k, v is keyword-only.
 
-    nheads_q must be a multiple of nheads_kv (GQA/MQA). `causal` masks bottom-right aligned
-    (query row i sees keys j <= i + seqlen_k - seqlen_q, as flash-attn >= 2.1); a row that sees
-    no key gives zeros and LSE -inf. `softmax_scale` defaults to 1/sqrt(head_dim). `bundle` is a
-    bundle directory or a loaded Bundle; default $FAGEN_BUNDLE, else fagen's default bundle.
+    nheads_q must be a multiple of nheads_kv (GQA/MQA). `causal` (a bool) masks bottom-right
+    aligned (query row i sees keys j <= i + seqlen_k - seqlen_q, as flash-attn >= 2.1); a row that
+    sees no key gives zeros and LSE -inf. `softmax_scale` defaults to 1/sqrt(head_dim); any finite
+    scale >= 0 works (0: uniform attention over the keys a row sees); negative, inf and NaN are
+    refused. `bundle` is a bundle directory or a loaded Bundle; default $FAGEN_BUNDLE, else
+    fagen's default bundle. flash-attn's dropout_p, window_size, softcap, alibi_slopes,
+    deterministic and return_attn_probs are accepted only at their "off" values.
 
     Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
     LSE (batch, nheads_q, seqlen_q) in float32.
     """
+    if extra_positional or flash_attn_options:
+        _check_options(extra_positional, flash_attn_options)
+    if not isinstance(causal, bool):
+        raise TypeError(f"fagen.flash_attn_func: causal must be True or False, got {causal!r}")
+    _refuse_gradients(q, k, v)
     if isinstance(bundle, Bundle):
         get_bundle(bundle)
         bundle = str(bundle.path)
     elif bundle is not None:
         bundle = os.fspath(bundle)
     if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"fagen.flash_attn_func: softmax_scale must be a number or None, got "
+                            f"{softmax_scale!r}")
         softmax_scale = float(softmax_scale)
+        contract.kernel_scale_log2(softmax_scale, q.shape[-1])  # refused before tracing or launch
     # Plain eager calls skip the dispatcher: a custom op's first call imports torch._dynamo
     # (about a second on a fast CPU, 3.6 s measured on the H200 host), which would dominate
     # cold start. Tracing (torch.compile, export, fake or other dispatch modes, tensor

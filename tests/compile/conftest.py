@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fagen import paths
-from fagen.bundle.writer import build_bundle
+from fagen.build import build_bundle
 from fagen.spec import load_spec_file
 
 JOBS = os.cpu_count() or 1

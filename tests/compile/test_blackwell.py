@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fagen import paths
-from fagen.bundle.writer import build_bundle
+from fagen.build import build_bundle
 from fagen.spec import algorithm_for, load_spec_file
 from fagen.spec.fa4 import TMEM_COLUMNS
 
@@ -32,7 +32,7 @@ def test_covers_head_dims_masks_and_dtypes(blackwell):
 def test_sass_has_tcgen05_and_tma_and_no_local_memory(blackwell):
     _, report = blackwell
     for entry in report.manifest.kernels:
-        required = algorithm_for(4, "fwd").required_sass
+        required = algorithm_for(4, "fwd").REQUIRED_SASS
         assert {"UTCHMMA", "LDTM", "STTM", "UTCBAR", "UTMALDG", "USETMAXREG"} <= set(entry.sass)
         assert set(required) <= set(entry.sass), entry.name
         assert not {"LDL", "STL", "HGMMA", "HMMA"} & set(entry.sass), entry.name

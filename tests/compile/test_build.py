@@ -15,12 +15,12 @@ from bundle_variants import copy_bundle, tamper_cubin
 from fagen import abi, paths
 from fagen.bundle import format as bundle_format
 from fagen.bundle.format import BundleError, read_manifest, read_verified_cubin
-from fagen.bundle.writer import build_bundle
+from fagen.build import build_bundle
 from fagen.cli import main
 from fagen.codegen import RenderedKernel
 from fagen.compiler import CompileError
 from fagen.compiler.sass import disassemble
-from fagen.spec import algorithm_for, expand, load_spec_file
+from fagen.spec import algorithm_for, load_spec_file
 from fagen.spec.specfile import Expansion
 
 JOBS = os.cpu_count() or 1
@@ -29,7 +29,7 @@ JOBS = os.cpu_count() or 1
 def test_every_kernel_has_its_algorithms_sass_and_no_local_memory(ci_small):
     out, report = ci_small
     for entry in report.manifest.kernels:
-        required = algorithm_for(entry.fa_version, entry.spec["direction"]).required_sass
+        required = algorithm_for(entry.fa_version, entry.spec["direction"]).REQUIRED_SASS
         assert {"HMMA", "LDSM", "LDGSTS"} <= set(entry.sass), entry.name
         assert set(required) <= set(entry.sass), entry.name
         assert not {"LDL", "STL"} & set(entry.sass), entry.name
@@ -133,7 +133,7 @@ def test_failed_compile_keeps_source_and_old_bundle(ci_small, kernel_cache, tmp_
     def broken(spec):
         return RenderedKernel(spec, spec.name, "extern \"C\" __global__ void f() { nope; }\n", "x")
 
-    monkeypatch.setattr("fagen.bundle.writer.render", broken)
+    monkeypatch.setattr("fagen.build.render", broken)
     with pytest.raises(CompileError) as info:
         build_bundle(load_spec_file(paths.specs_dir() / "ci-small.yaml"), out, jobs=JOBS,
                      cache_dir=kernel_cache)
@@ -153,7 +153,7 @@ def test_refuses_to_replace_a_directory_that_is_not_a_bundle(tmp_path, kernel_ca
 
 def test_cli_build_and_list(ci_small, kernel_cache, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAGEN_CACHE", str(kernel_cache))
-    monkeypatch.setattr("fagen.cli._out", Console(width=250))
+    monkeypatch.setattr("fagen.cli.output.out", Console(width=250))
     out = tmp_path / "cli"
     assert main(["build", str(paths.specs_dir() / "ci-small.yaml"), "-o", str(out), "-j", "1"]) == 0
     assert "cached" in capsys.readouterr().out
@@ -177,16 +177,6 @@ def test_every_shipped_spec_builds(spec_path, kernel_cache, tmp_path):
     report = build_bundle(expansion, tmp_path / expansion.bundle, jobs=JOBS, cache_dir=kernel_cache)
     assert len(report.manifest.kernels) == len(expansion.specs)
     assert all(e.resources.spill_bytes == 0 for e in report.manifest.kernels)
-
-
-def test_fa3_without_warp_specialization_builds(kernel_cache, tmp_path):
-    # The ablation's variant (a): the CTA is all consumers, no setmaxnreg; no shipped spec has it.
-    expansion = expand({"bundle": "no-ws", "kernels": [
-        {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True,
-         "tile": {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2, "intra_wg_overlap": True}}]})
-    report = build_bundle(expansion, tmp_path / "no-ws", jobs=JOBS, cache_dir=kernel_cache)
-    (entry,) = report.manifest.kernels
-    assert {"HGMMA", "UTMALDG"} <= set(entry.sass) and entry.resources.spill_bytes == 0
 
 
 def _exp2_between_mma_waits(sass: str) -> list[int]:

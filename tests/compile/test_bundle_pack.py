@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -75,12 +77,27 @@ def test_tampered_packed_member_is_refused(bundle_dir, tmp_path):
         fagen.load(packed)
 
 
-def test_python_loader_refuses_tampered_cubin(bundle_dir, tmp_path):
+def test_python_loader_refuses_tampered_cubin_at_open(bundle_dir, tmp_path):
     tampered = copy_bundle(bundle_dir, tmp_path / "tampered")
-    tamper_cubin(tampered)
-    bundle = fagen.load(tampered)
-    with pytest.raises(BundleError, match="checksum mismatch"):
-        bundle.kernel(bundle.kernels[0])
+    cubin = tamper_cubin(tampered)
+    with pytest.raises(BundleError, match=f"{cubin.name}: checksum mismatch"):
+        fagen.load(tampered)
+
+
+def test_unpack_cache_is_named_by_the_bytes_it_extracted(bundle_dir, tmp_path):
+    packed = pack_bundle(bundle_dir, tmp_path / "ci-small.tar.gz")
+    loaded = fagen.load(packed)
+    assert loaded.path.parent.name == hashlib.sha256(packed.read_bytes()).hexdigest()
+    assert (loaded.path.parent / CHECKSUMS_NAME).is_file()
+
+
+def test_unpack_cache_hit_is_checked_again(bundle_dir, tmp_path):
+    packed = pack_bundle(bundle_dir, tmp_path / "ci-small.tar.gz")
+    extracted = fagen.load(packed).path
+    header = extracted / "include/fagen/fagen.hpp"  # not a cubin: the manifest does not cover it
+    header.write_text(header.read_text() + "// edited in the cache\n")
+    with pytest.raises(BundleError, match="member include/fagen/fagen.hpp does not match SHA256SUMS.*unpacked"):
+        fagen.load(packed)
 
 
 def test_python_loader_refuses_other_abi(bundle_dir, tmp_path):
@@ -117,7 +134,7 @@ def verify(path, capsys) -> tuple[int, str]:
 def test_verify_good_bundle_and_pack(bundle_dir, tmp_path, capsys):
     code, text = verify(bundle_dir, capsys)
     assert code == 0, text
-    checks = len(read_manifest(bundle_dir).kernels) + 3  # + manifest, index.h, params.h
+    checks = len(read_manifest(bundle_dir).kernels) + 4  # + manifest, index.h, contract.h, params.h
     assert f"all {checks} checks passed" in text and "nvrtc" in text
     assert cli(["pack", str(bundle_dir), "-o", str(tmp_path / "ci-small.tar.gz")]) == 0
     code, text = verify(tmp_path / "ci-small.tar.gz", capsys)
@@ -130,8 +147,19 @@ def test_verify_tampered_cubin(bundle_dir, tmp_path, capsys):
     cubin = tamper_cubin(tampered)
     code, text = verify(tampered, capsys)
     assert code == 1
-    checks = len(read_manifest(tampered).kernels) + 3
+    checks = len(read_manifest(tampered).kernels) + 4
     assert f"FAIL {cubin.relative_to(tampered).as_posix()}" in text and f"1 of {checks} checks failed" in text
+
+
+@pytest.mark.parametrize("bad", ("/etc/hostname", "../../outside.cubin"))
+def test_verify_refuses_paths_outside_the_bundle(bundle_dir, tmp_path, capsys, bad):
+    edited = copy_bundle(bundle_dir, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["kernels"][1]["cubin"] = bad
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    code, text = verify(edited, capsys)
+    assert code == 1
+    assert "FAIL manifest.json: " in text and f"kernels[1].cubin {bad!r}: not a normalised relative path" in text
 
 
 def test_verify_other_abi(bundle_dir, tmp_path, capsys):

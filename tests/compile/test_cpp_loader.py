@@ -156,6 +156,55 @@ def test_cpp_refuses_tampered_cubin(open_bundle, ci_small, tmp_path):
     assert f"{cubin}: checksum mismatch" in result.stderr and "refusing to load it" in result.stderr
 
 
+@pytest.mark.parametrize("bad", ("/etc/hostname", "../outside.cubin", "cubin/../../x.cubin"))
+def test_cpp_refuses_paths_outside_the_bundle(open_bundle, ci_small, tmp_path, bad):
+    # index.h (compiled in) and the directory's manifest agree on the bad path: only the path
+    # rule stops it.
+    edited = copy_bundle(ci_small[0], tmp_path / "edited")
+    d = json.loads((edited / MANIFEST_NAME).read_text())
+    d["kernels"][0]["cubin"] = bad
+    manifest = Manifest.from_dict(d)
+    (edited / MANIFEST_NAME).write_text(manifest.to_json())
+    (edited / INDEX_HEADER).write_text(render_index_header(manifest))
+    program = tmp_path / "open_edited"
+    built = compile_program(CPP_TESTS / "open_bundle.cpp", edited, cuda_include_dir(), program, "-O1")
+    assert built.returncode == 0, built.stderr
+    result = run(program, edited)
+    assert result.returncode == 1
+    assert f"cubin '{bad}': not a normalised relative path" in result.stderr
+    assert "bytes" not in result.stderr and "sha256" not in result.stderr
+
+
+def test_cpp_refuses_a_cubin_linked_outside(open_bundle, ci_small, tmp_path):
+    linked = copy_bundle(ci_small[0], tmp_path / "linked")
+    cubin = linked / ci_small[1].manifest.kernels[0].cubin
+    outside = tmp_path / "outside.cubin"
+    cubin.rename(outside)
+    cubin.symlink_to(outside)
+    result = run(open_bundle, linked)
+    assert result.returncode == 1
+    assert "resolves outside the bundle" in result.stderr
+
+
+@pytest.mark.parametrize("scale", ("default", "0.125", "0", "-0", "1e-45", "-0.5", "nan", "inf", "-inf", "1e38"))
+@pytest.mark.parametrize("head_dim", (64, 96))
+def test_cpp_scale_rule_matches_python(open_bundle, scale, head_dim):
+    from fagen.contract import ScaleError, kernel_scale_log2
+
+    value = None if scale == "default" else float(ctypes.c_float(float(scale)).value)
+    try:
+        expected = f"{ctypes.c_float(kernel_scale_log2(value, head_dim)).value:.9g}"
+    except ScaleError as exc:
+        expected = "error: " + str(exc).split(": ", 1)[1]
+    result = run(open_bundle, "--scale", scale, head_dim)
+    assert result.returncode == 0, result.stderr
+    got = result.stdout.strip()
+    if expected.startswith("error: "):
+        assert got.startswith("error: fagen: softmax_scale=") and got.endswith(expected.removeprefix("error: "))
+    else:
+        assert got == expected
+
+
 def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):
     other = copy_bundle(ci_small[0], tmp_path / "other-abi")
     set_abi_version(other)

@@ -107,9 +107,9 @@ def run(kernel, grid: int, block: int, dynamic_smem: int, *params) -> None:
     """Launch on torch's current stream and wait for it."""
     from fagen.runtime import driver
 
-    driver.ensure_context(torch.cuda.current_device())
     stream = torch.cuda.current_stream().cuda_stream
-    driver.launch(kernel, (grid, 1, 1), (block, 1, 1), dynamic_smem, stream, tuple(params))
+    with driver.primary_context(torch.cuda.current_device()):
+        driver.launch(kernel, (grid, 1, 1), (block, 1, 1), dynamic_smem, stream, tuple(params))
     torch.cuda.synchronize()
 
 

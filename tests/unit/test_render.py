@@ -10,9 +10,11 @@ from fagen.codegen import render
 from fagen.spec import KernelSpec
 
 SPECS = [
-    KernelSpec(fa_version=2, arch="sm90", dtype="bf16", head_dim=64, causal=False),
-    KernelSpec(fa_version=2, arch="sm80", dtype="fp16", head_dim=128, causal=True),
-    KernelSpec(fa_version=2, arch="sm86", dtype="bf16", head_dim=256, causal=True),
+    KernelSpec.model_validate({"fa_version": version, "arch": arch, "dtype": dtype,
+                               "head_dim": head_dim, "causal": causal})
+    for version, arch, dtype, head_dim, causal in (
+        (2, "sm90", "bf16", 64, False), (2, "sm80", "fp16", 128, True), (2, "sm86", "bf16", 256, True),
+        (1, "sm90", "bf16", 128, True), (3, "sm90a", "fp16", 64, False), (4, "sm100a", "bf16", 128, True))
 ]
 
 

@@ -130,21 +130,35 @@ def test_schema_1_manifests_read_as_unbounded(tmp_path):
     assert bundle.select(KEY, (9, 0), 64).max_seqlen_k is None
 
 
-def test_persistent_grid_is_ctas_per_sm_times_the_sms(tmp_path, monkeypatch):
+@pytest.mark.parametrize("grid, expected", [
+    ("tiles", [(64, 16, 4), (1, 2, 1)]),
+    ("persistent", [(132, 1, 1), (2, 1, 1)]),  # never more CTAs than tiles
+    ("heads", [(16, 4, 1), (2, 1, 1)]),
+])
+def test_launch_grid_shapes(tmp_path, monkeypatch, grid, expected):
     from fagen.runtime import driver, loader
 
     monkeypatch.setattr(driver, "multiprocessor_count", lambda device: 132)
-    entries = []
-    for ctas in (1, 2):
-        entry = kernel_entry("sm90a", KEY, fa_version=3, max_seqlen_k=ctas)
-        entry["launch"] = {**entry["launch"], "block_m": 64, "persistent": True, "ctas_per_sm": ctas}
-        entries.append(entry)
-    bundle = load(write_bundle(tmp_path / "b", entries))
-    one, two = sorted(bundle.kernels, key=lambda e: e.launch.ctas_per_sm)
-    # seqlen 4096, 16 heads, batch 4: 64 x 16 x 4 = 4096 tiles.
-    assert loader.launch_grid(one, 4096, 16, 4, 0) == (132, 1, 1)
-    assert loader.launch_grid(two, 4096, 16, 4, 0) == (264, 1, 1)
-    assert loader.launch_grid(two, 64, 2, 1, 0) == (2, 1, 1)  # never more CTAs than tiles
+    entry = kernel_entry("sm90a", KEY, fa_version=3)
+    entry["launch"] = {**entry["launch"], "block_m": 64, "grid": grid}
+    (kernel,) = load(write_bundle(tmp_path / "b", [entry])).kernels
+    # seqlen 4096, 16 heads, batch 4: 64 x 16 x 4 = 4096 tiles; then 64 keys, 2 heads, batch 1.
+    assert [loader.launch_grid(kernel, 4096, 16, 4, 0), loader.launch_grid(kernel, 64, 2, 1, 0)] == expected
+
+
+@pytest.mark.parametrize("persistent", (False, True))
+def test_schema_2_launches_read_as_grids(tmp_path, persistent):
+    entry = kernel_entry("sm90a", KEY, fa_version=3)
+    entry["launch"] = {**entry["launch"], "persistent": persistent, "ctas_per_sm": 1}
+    (kernel,) = load(write_bundle(tmp_path / "b", [entry], schema_version=2)).kernels
+    assert kernel.launch.grid == ("persistent" if persistent else "tiles")
+
+
+def test_unknown_grid_is_refused(tmp_path):
+    entry = kernel_entry("sm90a", KEY, fa_version=3)
+    entry["launch"] = {**entry["launch"], "grid": "spiral"}
+    with pytest.raises(BundleError, match="launch.grid 'spiral' is not one of tiles, persistent, heads"):
+        load(write_bundle(tmp_path / "b", [entry]))
 
 
 def test_runs_on_rules(hopper_bundle):
@@ -187,18 +201,75 @@ def test_empty_bundle_message(tmp_path):
         bundle.select(KEY, (9, 0))
 
 
-def test_tampered_cubin_is_refused_before_loading(hopper_bundle):
+def test_tampered_cubin_is_refused_at_open(hopper_bundle):
     entry = hopper_bundle.select(KEY, (9, 0))
     (hopper_bundle.path / entry.cubin).write_bytes(b"cubin of something else")
-    with pytest.raises(BundleError, match="checksum mismatch"):
-        hopper_bundle.kernel(entry)
+    with pytest.raises(BundleError, match=f"{entry.name}.cubin: checksum mismatch"):
+        load(hopper_bundle.path)
 
 
-def test_missing_cubin_is_refused(hopper_bundle):
+def test_missing_cubin_is_refused_at_open(hopper_bundle):
     entry = hopper_bundle.select(KEY, (9, 0))
     (hopper_bundle.path / entry.cubin).unlink()
-    with pytest.raises(BundleError, match="missing"):
-        hopper_bundle.kernel(entry)
+    with pytest.raises(BundleError, match="cubin listed in the manifest is missing"):
+        load(hopper_bundle.path)
+
+
+def test_an_open_bundle_never_reads_its_files_again(hopper_bundle):
+    # Rebuilding or damaging the directory after the open reaches no process that opened it:
+    # every cubin was read and verified then.
+    entry = hopper_bundle.select(KEY, (9, 0))
+    (hopper_bundle.path / entry.cubin).write_bytes(b"cubin of something else")
+    assert hopper_bundle._images[entry.name] == f"cubin of {entry.name}".encode()
+
+
+def test_a_bundle_swapped_while_opening_is_read_again(tmp_path, monkeypatch):
+    # The first read of a cubin finds the next build's file; the manifest changed meanwhile, so
+    # the open starts over and returns one consistent snapshot.
+    from fagen.bundle import format as bundle_format
+
+    root = write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY)])
+    reads = []
+    real = bundle_format.read_verified_cubin
+
+    def racing_read(bundle_dir, entry):
+        reads.append(entry.name)
+        if len(reads) == 1:
+            manifest = json.loads((root / "manifest.json").read_text())
+            manifest["fingerprint"] = "1" * 16
+            (root / "manifest.json").write_text(json.dumps(manifest))
+            raise BundleError("checksum mismatch")
+        return real(bundle_dir, entry)
+
+    monkeypatch.setattr(bundle_format, "read_verified_cubin", racing_read)
+    bundle = load(root)
+    assert len(reads) == 2 and bundle.manifest.fingerprint == "1" * 16
+
+
+@pytest.mark.parametrize("field", ("cubin", "source"))
+@pytest.mark.parametrize("bad", ("/etc/passwd", "../outside.cubin", "cubin/../../x", "cubin//x",
+                                 "./cubin/x", "cubin\\x", ""))
+def test_manifest_paths_outside_the_bundle_are_refused(tmp_path, field, bad):
+    entry = kernel_entry("sm90", KEY)
+    root = write_bundle(tmp_path / "b", [entry])
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["kernels"][0][field] = bad
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError) as info:
+        load(root)
+    message = str(info.value)
+    assert f"kernels[0].{field} {bad!r}: not a" in message
+    assert "bytes" not in message and "sha256" not in message  # nothing about the target
+
+
+def test_a_cubin_linked_outside_the_bundle_is_refused(tmp_path):
+    entry = kernel_entry("sm90", KEY)
+    root = write_bundle(tmp_path / "b", [entry])
+    outside = tmp_path / "outside.cubin"
+    (root / entry["cubin"]).rename(outside)
+    (root / entry["cubin"]).symlink_to(outside)
+    with pytest.raises(BundleError, match="resolves outside the bundle"):
+        load(root)
 
 
 def test_other_abi_is_refused(tmp_path):
@@ -247,7 +318,7 @@ def test_runtime_imports_no_build_stack():
             if "torch" not in str(exc):
                 raise
         forbidden = ("pydantic", "jinja2", "fagen.spec", "fagen.codegen", "fagen.compiler",
-                     "fagen.bundle.writer", "cuda.bindings.nvrtc", "nvidia.cuda_nvrtc", "yaml")
+                     "fagen.build", "fagen.bundle.writer", "cuda.bindings.nvrtc", "nvidia.cuda_nvrtc", "yaml")
         loaded = sorted(m for m in sys.modules if m.startswith(forbidden))
         print(",".join(loaded))
         """
@@ -266,6 +337,7 @@ class FakeDriver:
         self.context_device = context_device
         self.calls = []
         self.launches = []
+        self.pushed = []
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -293,6 +365,16 @@ class FakeDriver:
         self.current_context, self.context_device = int(ctx), int(ctx) - 0x1000
         return self._ok("cuCtxSetCurrent")
 
+    def cuCtxPushCurrent(self, ctx):
+        self.pushed.append((self.current_context, self.context_device))
+        self.current_context, self.context_device = int(ctx), int(ctx) - 0x1000
+        return self._ok("cuCtxPushCurrent")
+
+    def cuCtxPopCurrent(self):
+        popped = self.current_context
+        self.current_context, self.context_device = self.pushed.pop()
+        return self._ok("cuCtxPopCurrent", self._real.CUcontext(popped))
+
     def cuLibraryLoadData(self, code, *options):
         assert isinstance(code, bytes) and options == (None, None, 0, None, None, 0)
         return self._ok("cuLibraryLoadData", self._real.CUlibrary(0x2000))
@@ -313,7 +395,7 @@ class FakeDriver:
             "grid": (config.gridDimX, config.gridDimY, config.gridDimZ),
             "block": (config.blockDimX, config.blockDimY, config.blockDimZ),
             "smem": config.sharedMemBytes, "stream": int(config.hStream), "kernel": int(kernel),
-            "params": params, "extra": extra,
+            "params": params, "extra": extra, "context": self.current_context,
         })
         return self._ok("cuLaunchKernelEx")
 
@@ -322,11 +404,11 @@ class FakeDriver:
 def fake_driver(monkeypatch):
     from fagen.runtime import driver
 
-    fake = FakeDriver(driver.cu, current_context=0x5000, context_device=0)  # as torch leaves it
+    # As torch leaves it: device 0's primary context (the fake's primary of device n is 0x1000 + n).
+    fake = FakeDriver(driver.cu, current_context=0x1000, context_device=0)
     monkeypatch.setattr(driver, "cu", fake)
     monkeypatch.setattr(driver, "_initialized", False)
     monkeypatch.setattr(driver, "_primary_contexts", {})
-    monkeypatch.setattr(driver, "_context_devices", {})
     return fake
 
 
@@ -340,7 +422,7 @@ def test_launch_goes_through_the_driver_once_prepared(hopper_bundle, fake_driver
     assert fake_driver.calls.count("cuLibraryLoadData") == 1
     assert fake_driver.calls.count("cuLibraryGetKernel") == 1
     assert fake_driver.calls.count(("smem", 65536, 0x3000, 0)) == 1
-    assert "cuCtxSetCurrent" not in fake_driver.calls  # the current context is on device 0
+    assert "cuCtxPushCurrent" not in fake_driver.calls  # device 0's primary context is current
     assert len(fake_driver.launches) == 2
     launch = fake_driver.launches[0]
     assert launch["grid"] == (3, 8, 2) and launch["block"] == (128, 1, 1)
@@ -355,8 +437,20 @@ def test_launch_without_a_current_context_uses_the_primary_one(hopper_bundle, fa
     kernel = hopper_bundle.kernel(hopper_bundle.select(KEY, (9, 0)))
     kernel.launch(abi.FwdParams(), (1, 1, 1), stream=0, device=1)
     assert "cuDevicePrimaryCtxRetain" in fake_driver.calls
-    assert fake_driver.current_context == 0x1001
+    assert fake_driver.launches[0]["context"] == 0x1001
     assert ("smem", 65536, 0x3000, 1) in fake_driver.calls
+    assert fake_driver.current_context == 0, "the launch left a context current"
+
+
+@pytest.mark.parametrize("current", (0x5000, 0x1001), ids=("own_context", "other_device"))
+def test_launch_puts_the_callers_context_back(hopper_bundle, fake_driver, current):
+    # A context of the caller's own on device 0 (0x5000), or device 1's primary context: the
+    # kernel runs in device 0's primary context, and the caller's is current again afterwards.
+    fake_driver.current_context = current
+    kernel = hopper_bundle.kernel(hopper_bundle.select(KEY, (9, 0)))
+    kernel.launch(abi.FwdParams(), (1, 1, 1), stream=0, device=0)
+    assert fake_driver.launches[0]["context"] == 0x1000
+    assert fake_driver.current_context == current and fake_driver.pushed == []
 
 
 def test_driver_errors_name_the_call():

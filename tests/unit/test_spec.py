@@ -8,8 +8,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fagen.spec import KernelSpec, SpecError, expand, load_spec_file
+from fagen.spec import ARCHS, SPEC_CLASSES, KernelSpec, SpecError, expand, load_spec_file
 from fagen.spec.arch import MAX_REGISTERS_PER_THREAD
+from fagen.spec.fa2 import Fa2Tile
+from fagen.spec.fa3 import Fa3Tile
 from fagen.spec.tuning import TABLE
 
 
@@ -122,11 +124,23 @@ def test_name_ignores_field_order_and_auto_equals_explicit_tile():
     assert auto.name == explicit.name
 
 
+def rows_of(tile_model, max_head_dim, causal=None):
+    return [r for r in TABLE if type(r.tile) is tile_model and r.max_head_dim == max_head_dim
+            and (causal is None or r.causal in (None, causal))]
+
+
 def test_auto_tile_follows_the_tuning_table():
-    row = next(r for r in TABLE if r.fa_version == 2 and r.max_head_dim == 128)
-    tile = spec(head_dim=128, arch="sm90").tile
-    assert (tile.block_m, tile.block_n, tile.warps, tile.stages) == (
-        row.block_m, row.block_n, row.warps, row.stages)
+    row = rows_of(Fa2Tile, 128)[0]
+    assert spec(head_dim=128, arch="sm90").tile == row.tile
+
+
+def test_every_tuning_row_fits_a_target_of_its_algorithm():
+    for row in TABLE:
+        algorithm = next(c for c in SPEC_CLASSES if c.model_fields["tile"].annotation is type(row.tile))
+        fits = [arch for arch in algorithm.ARCHS
+                if not algorithm.geometry_of(row.max_head_dim, row.tile).problems(
+                    ARCHS[arch].max_smem_per_block)]
+        assert fits, f"{row.tile!r} fits no target of {algorithm.__name__}"
 
 
 def test_auto_tile_falls_back_on_small_shared_memory_parts():
@@ -140,11 +154,10 @@ def test_auto_tile_adds_the_tuning_tables_short_sequence_kernels():
     expansion = expand({"bundle": "t", "kernels": [
         {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True}]})
     by_bound = {s.max_seqlen_k: s for s in expansion.specs}
-    rows = [r for r in TABLE if r.fa_version == 3 and r.max_head_dim == 64 and r.causal in (None, True)]
+    rows = rows_of(Fa3Tile, 64, causal=True)
     assert set(by_bound) == {r.max_seqlen_k for r in rows}
     for row in rows:
-        tile = by_bound[row.max_seqlen_k].tile
-        assert (tile.block_m, tile.block_n) == (row.block_m, row.block_n)
+        assert by_bound[row.max_seqlen_k].tile == row.tile
     bound = min(b for b in by_bound if b is not None)
     assert by_bound[bound].name.split("_")[-2] == f"upto{bound}"
     assert "max_seqlen_k" not in by_bound[None].canonical_json()  # unbounded names unchanged
@@ -153,14 +166,13 @@ def test_auto_tile_adds_the_tuning_tables_short_sequence_kernels():
 def test_explicit_tile_or_bound_builds_one_kernel():
     entry = {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 64, "causal": True}
     explicit_tile = expand({"bundle": "t", "kernels": [
-        {**entry, "tile": {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2,
-                           "warp_specialized": True, "intra_wg_overlap": True}}]})
+        {**entry, "tile": {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2}}]})
     assert [s.max_seqlen_k for s in explicit_tile.specs] == [None]
     # An explicit bound with `tile: auto` takes the table's tile for that length.
     (short,) = expand({"bundle": "t", "kernels": [{**entry, "max_seqlen_k": 300}]}).specs
-    row = min((r for r in TABLE if r.fa_version == 3 and r.max_head_dim == 64 and r.causal is True
-               and r.max_seqlen_k is not None), key=lambda r: r.max_seqlen_k)
-    assert short.max_seqlen_k == 300 and (short.tile.block_m, short.tile.block_n) == (row.block_m, row.block_n)
+    row = min((r for r in rows_of(Fa3Tile, 64, causal=True) if r.max_seqlen_k is not None),
+              key=lambda r: r.max_seqlen_k)
+    assert short.max_seqlen_k == 300 and short.tile == row.tile
 
 
 def test_a_rejected_combination_is_skipped_once_with_its_bounds():
@@ -219,7 +231,7 @@ def test_fa2_one_stage_halves_the_kv_shared_memory():
     assert "stages" in error_text(head_dim=256, tile={**tile, "stages": 0})
 
 
-FA3_TILE = {"block_n": 128, "stages": 2, "warp_specialized": True, "intra_wg_overlap": True}
+FA3_TILE = {"block_n": 128, "stages": 2}
 
 
 def test_fa3_three_consumer_warpgroups_split_the_registers():
@@ -232,18 +244,21 @@ def test_fa3_three_consumer_warpgroups_split_the_registers():
     assert (two.consumers, two.consumer_registers) == (2, 240)
 
 
-def test_fa3_one_consumer_tiles_run_two_ctas_per_sm_where_shared_memory_allows():
-    one = spec(fa_version=3, arch="sm90a", head_dim=64,
-               tile={**FA3_TILE, "block_m": 64, "warps": 8}).geometry
-    assert one.smem_bytes < 113 * 1024
-    # Two CTAs share the register file: 2 x (24 + 232) thread-slots of 128 threads = 64K.
-    assert (one.ctas_per_sm, one.consumer_registers) == (2, 232)
-    too_big = spec(fa_version=3, arch="sm90a", head_dim=128,
-                   tile={**FA3_TILE, "block_m": 64, "block_n": 128, "warps": 8}).geometry
-    assert too_big.smem_bytes > 113 * 1024 and too_big.ctas_per_sm == 1
-    two_consumers = spec(fa_version=3, arch="sm90a", head_dim=64,
-                         tile={**FA3_TILE, "block_m": 128, "warps": 12}).geometry
-    assert two_consumers.ctas_per_sm == 1
+def test_fa3_one_consumer_tiles_are_gone():
+    # Two CTAs per SM of one consumer each measured below the two-consumer tiles (run 23).
+    text = error_text(fa_version=3, arch="sm90a", head_dim=64,
+                      tile={**FA3_TILE, "block_m": 64, "warps": 8})
+    assert "tile.block_m=64: must be 128 or 192" in text
+
+
+@pytest.mark.parametrize("flag", ("warp_specialized", "intra_wg_overlap", "persistent"))
+def test_fa3_structure_is_accepted_only_as_what_every_kernel_does(flag):
+    tile = {**FA3_TILE, "block_m": 128, "warps": 12}
+    same = spec(fa_version=3, arch="sm90a", head_dim=64, tile={**tile, flag: True})
+    assert same == spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile)
+    assert same.tile.model_dump()[flag] is True  # in the canonical JSON, hence the names
+    text = error_text(fa_version=3, arch="sm90a", head_dim=64, tile={**tile, flag: False})
+    assert f"tile.{flag}: every fa3 fwd kernel has {flag}=True" in text
 
 
 def test_fa3_four_consumer_warpgroups_are_rejected():
@@ -258,8 +273,7 @@ def test_fa3_three_consumers_reject_a_block_that_needs_more_than_160_registers()
     assert "registers" in text and "160" in text
 
 
-EARLY_FIRST_QK_TILE = {**FA3_TILE, "block_m": 128, "warps": 12, "persistent": True,
-                       "early_first_qk": True}
+EARLY_FIRST_QK_TILE = {**FA3_TILE, "block_m": 128, "warps": 12, "early_first_qk": True}
 
 
 def test_fa3_early_first_qk_is_named_and_loads_q_a_tile_ahead():
@@ -274,12 +288,10 @@ def test_fa3_early_first_qk_is_named_and_loads_q_a_tile_ahead():
     assert early.geometry.smem_bytes == plain.geometry.smem_bytes + q_tile + 2 * 8
 
 
-@pytest.mark.parametrize("missing", [{"persistent": False}, {"intra_wg_overlap": False},
-                                     {"pingpong": True}], ids=("persistent", "overlap", "pingpong"))
-def test_fa3_early_first_qk_needs_a_persistent_overlapped_tile_without_pingpong(missing):
+def test_fa3_early_first_qk_is_refused_with_pingpong():
     text = error_text(fa_version=3, arch="sm90a", head_dim=64,
-                      tile={**EARLY_FIRST_QK_TILE, **missing})
-    assert "early_first_qk" in text
+                      tile={**EARLY_FIRST_QK_TILE, "pingpong": True})
+    assert "tile.early_first_qk: not with pingpong" in text
 
 
 def test_fa3_early_first_qk_is_refused_where_a_second_q_buffer_does_not_fit():
@@ -290,16 +302,13 @@ def test_fa3_early_first_qk_is_refused_where_a_second_q_buffer_does_not_fit():
     assert "shared memory" in text
 
 
-def test_fa3_peel_masked_blocks_is_named_and_needs_the_overlapped_loop():
+def test_fa3_peel_masked_blocks_is_named():
     tile = {**FA3_TILE, "block_m": 128, "warps": 12, "peel_masked_blocks": True}
-    assert "_ov_pm_" in spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile).name
-    text = error_text(fa_version=3, arch="sm90a", head_dim=64,
-                      tile={**tile, "intra_wg_overlap": False})
-    assert "peel_masked_blocks" in text
+    assert "_ov_ps_pm_" in spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile).name
 
 
 def test_fa3_mma_row_sum_is_named_and_puts_ones_beside_each_v_stage():
-    tile = {**FA3_TILE, "block_m": 128, "warps": 12, "persistent": True}
+    tile = {**FA3_TILE, "block_m": 128, "warps": 12}
     plain = spec(fa_version=3, arch="sm90a", head_dim=64, tile=tile).geometry
     summed = spec(fa_version=3, arch="sm90a", head_dim=64, tile={**tile, "mma_row_sum": True})
     assert "_ps_ms_" in summed.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -79,22 +81,6 @@ def test_unusable_layouts_are_copied(make):
         assert ready is t
 
 
-def test_fwd_params_fields():
-    q = torch.randn(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2)  # (2, 33, 4, 64) view
-    k = torch.randn(2, 50, 1, 64, dtype=torch.float16)
-    v = torch.randn(2, 50, 1, 64, dtype=torch.float16)
-    out = torch.empty(2, 33, 4, 64, dtype=torch.float16)
-    lse = torch.empty(2, 4, 33)
-    p = adapter.fwd_params(q, k, v, out, lse, 0.125)
-    assert (p.q, p.k, p.v, p.o, p.lse) == tuple(t.data_ptr() for t in (q, k, v, out, lse))
-    assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (4 * 33 * 64, 64, 33 * 64)
-    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (50 * 64, 64, 64)
-    assert (p.o_batch_stride, p.o_row_stride, p.o_head_stride) == (33 * 4 * 64, 4 * 64, 64)
-    assert (p.lse_batch_stride, p.lse_head_stride) == (4 * 33, 33)
-    assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k) == (2, 4, 1, 33, 50)
-    assert abs(p.scale_log2 - 0.125 * 1.4426950408889634) < 1e-7
-
-
 def test_fake_impl_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -137,27 +123,12 @@ def test_bundle_lookup_order_and_cache(tmp_path, monkeypatch):
     assert get_bundle().path == from_env.resolve()
 
 
-def test_tma_maps_describe_each_tensor(monkeypatch):
-    from fagen.bundle.format import Launch
-
-    calls = []
-
-    def encode(dtype, address, dims, byte_strides, box):
-        calls.append((dtype, address, dims, byte_strides, box))
-        return bytes([len(calls)]) * 128
-
-    monkeypatch.setattr(adapter.driver, "encode_tiled_tensor_map", encode)
-    adapter._encode_tensor_map.cache_clear()
-    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2)  # (2, 300, 4, 128) view
-    k = torch.randn(2, 500, 1, 128, dtype=torch.bfloat16)
-    v = torch.randn(2, 500, 1, 128, dtype=torch.bfloat16)
-    launch = Launch(threads=384, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=176)
-    maps = adapter.tma_maps(q, k, v, launch)
-    assert bytes(maps) == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128
-    assert calls[0] == ("bf16", q.data_ptr(), (128, 300, 4, 2), (256, 300 * 256, 4 * 300 * 256), (64, 128, 1, 1))
-    assert calls[1] == ("bf16", k.data_ptr(), (128, 500, 1, 2), (256, 256, 500 * 256), (64, 176, 1, 1))
-    # The same tensors again: the maps come from the cache, not the driver.
-    assert bytes(adapter.tma_maps(q, k, v, launch)) == bytes(maps) and len(calls) == 3
+def test_tensors_reach_the_runtime_with_their_kernel_strides():
+    q = torch.randn(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2)  # (2, 33, 4, 64) view
+    k = torch.randn(2, 50, 1, 64, dtype=torch.float16)
+    assert adapter._tensor(q) == adapter.runtime_call.Tensor(q.data_ptr(), 4 * 33 * 64, 64, 33 * 64)
+    assert adapter._problem(q, k, True) == adapter.runtime_call.Problem(
+        "fp16", True, 2, 33, 50, 4, 1, 64)
 
 
 def test_broadcast_is_copied_for_tma_kernels():
@@ -172,21 +143,20 @@ def _without_device(monkeypatch, prepared_inputs):
     launch are replaced; returns the list of preparations and the list of launches."""
     preparations, launches = [], []
 
-    class Kernels:
-        def select(self, key, compute_capability, seqlen_k):
-            return object()
-
-    def prepare(kernels, entry, q, k, v, out, lse, scale):
+    def prepare(kernels, entry, q, k, v, out, causal, softmax_scale):
         preparations.append((q, k, v))
-        return adapter._PreparedLaunch(None, (1, 1, 1), b"", (), 0, prepared_inputs(q, k, v))
+        return adapter._PreparedLaunch(FakePrepared(), prepared_inputs(q, k, v))
+
+    class FakePrepared:
+        device = 0
 
     monkeypatch.setattr(adapter, "_prepared_launches", {})
-    monkeypatch.setattr(adapter, "get_bundle", lambda bundle: Kernels.instance)
+    monkeypatch.setattr(adapter, "get_bundle", lambda bundle: object())
     monkeypatch.setattr(adapter, "_check_device", lambda q, k, v: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(adapter.runtime_call, "select", lambda kernels, problem, device: object())
     monkeypatch.setattr(adapter, "_prepare", prepare)
     monkeypatch.setattr(adapter, "_launch", lambda prepared, out, lse: launches.append(prepared))
-    Kernels.instance = Kernels()
+    monkeypatch.setattr(adapter.driver, "primary_context", lambda device: contextlib.nullcontext())
     return preparations, launches
 
 
@@ -209,3 +179,99 @@ def test_a_call_that_copied_its_inputs_is_not_kept(monkeypatch):
     adapter._flash_attn_fwd(q, k, v, True, None, None)
     adapter._flash_attn_fwd(q, k, v, True, None, None)
     assert len(preparations) == 2 and not adapter._prepared_launches
+
+
+# ---- calls that would give a wrong answer are refused (before any device check or launch) ----
+
+def test_extra_positional_arguments_are_refused():
+    # flash-attn's 4th positional argument is dropout_p: flash_attn_func(q, k, v, 0.1) must not
+    # become causal=0.1.
+    with pytest.raises(TypeError, match="takes q, k and v positionally and everything else by "
+                                        "keyword.*4th positional argument is dropout_p"):
+        flash_attn_func(*_qkv(), 0.1)
+
+
+@pytest.mark.parametrize("causal", (0.1, 1, 0, "yes", None))
+def test_causal_must_be_a_bool(causal):
+    with pytest.raises(TypeError, match=f"causal must be True or False, got {causal!r}"):
+        flash_attn_func(*_qkv(), causal=causal)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("dropout_p", 0.1), ("window_size", (128, 0)), ("softcap", 30.0),
+    ("alibi_slopes", torch.ones(4)), ("deterministic", True), ("return_attn_probs", True),
+])
+def test_unsupported_flash_attn_options_are_refused(name, value):
+    with pytest.raises(NotImplementedError, match=f"{name}=.* is not supported"):
+        flash_attn_func(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("dropout_p", 0.0), ("dropout_p", 0), ("window_size", (-1, -1)), ("window_size", [-1, -1]),
+    ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False),
+])
+def test_flash_attn_options_at_their_off_value_change_nothing(name, value):
+    with pytest.raises(ValueError, match="CUDA tensors"):  # got as far as the device check
+        flash_attn_func(*_qkv(), **{name: value})
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
+        flash_attn_func(*_qkv(), casual=True)
+
+
+@pytest.mark.parametrize("scale, match", [
+    (-0.125, r"softmax_scale=-0.125: must be >= 0 .*pass -q and softmax_scale=\|scale\|"),
+    (float("nan"), "softmax_scale=nan: must be a finite number"),
+    (float("inf"), "softmax_scale=inf: must be a finite number"),
+    (-float("inf"), "softmax_scale=-inf: must be a finite number"),
+    (1e39, r"softmax_scale \* log2\(e\) overflows float32"),
+])
+def test_bad_softmax_scale_is_refused(scale, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attn_func(*_qkv(), softmax_scale=scale)
+
+
+def test_softmax_scale_zero_and_tiny_launch_with_the_smallest_normal_scale():
+    from fagen.contract import MIN_SCALE_LOG2, kernel_scale_log2
+
+    assert kernel_scale_log2(0.0, 64) == MIN_SCALE_LOG2 == 2.0 ** -126
+    assert kernel_scale_log2(1e-45, 64) == MIN_SCALE_LOG2
+    assert kernel_scale_log2(None, 64) == 0.125 * 1.4426950408889634
+
+
+def test_softmax_scale_must_be_a_number():
+    with pytest.raises(TypeError, match="softmax_scale must be a number or None"):
+        flash_attn_func(*_qkv(), softmax_scale="0.1")
+
+
+@pytest.mark.parametrize("which", ("q", "k", "v"))
+def test_inputs_that_require_grad_are_refused(which):
+    q, k, v = _qkv()
+    dict(q=q, k=k, v=v)[which].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="fagen's kernels are forward-only today.*torch.no_grad"):
+        flash_attn_func(q, k, v)
+    with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensors"):  # fine without grad mode
+        flash_attn_func(q, k, v)
+
+
+def test_the_custom_op_refuses_gradients_too():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # the op's fake implementation stands in for the GPU kernel
+        q, k, v = _qkv()
+        q.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="fagen::flash_attn_fwd: fagen's kernels are forward-only"):
+            adapter.flash_attn_fwd(q, k, v, False, None, None)
+
+
+def test_a_traced_call_that_requires_grad_is_refused():
+    q, k, v = _qkv()
+    k.requires_grad_(True)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    with pytest.raises(Exception, match="fagen's kernels are forward-only today"):
+        attention(q, k, v)

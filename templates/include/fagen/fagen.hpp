@@ -8,8 +8,10 @@
 // verifying a bundle never touches the driver.
 //
 // Integrity: open() refuses a directory whose schema or kernel ABI version this header does not
-// speak, or whose manifest.json is not the one index.h was generated from; every cubin's size and
-// sha256 is checked against index.h before the driver sees it.
+// speak, or whose manifest.json is not the one index.h was generated from, and reads every cubin,
+// checking its path (inside the bundle) and its size and sha256 against index.h; after open()
+// the directory is never read again, so rebuilding the bundle in place cannot reach an open
+// Bundle (docs/bundle-format.md, "Rebuilding in place").
 //
 // Errors come back as fagen::Status / fagen::Result<T> values with a message; nothing here
 // throws or exits.
@@ -20,8 +22,11 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -36,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "contract.h"
 #include "index.h"
 #include "params.h"
 
@@ -46,7 +52,7 @@
 namespace fagen {
 
 // Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
-constexpr int kSchemaVersion = 2;  // 2: index.h rows carry ctas_per_sm and max_seqlen_k
+constexpr int kSchemaVersion = 3;  // 3: index.h rows carry grid and workspace_floats_per_row
 constexpr int kAbiVersion = FAGEN_ABI_VERSION;
 
 class [[nodiscard]] Status {
@@ -167,6 +173,16 @@ inline Result<std::vector<unsigned char>> read_file(const std::string& path) {
     std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(stream)), std::istreambuf_iterator<char>());
     if (stream.bad()) return Status::error(path + ": read error");
     return bytes;
+}
+
+// Whether `path` resolves (links followed) inside `directory`; a path that does not resolve
+// (missing) counts as inside, so that reading it reports it missing.
+inline bool inside(const std::string& directory, const std::string& path) {
+    char root[PATH_MAX];
+    char target[PATH_MAX];
+    if (realpath(directory.c_str(), root) == nullptr || realpath(path.c_str(), target) == nullptr) return true;
+    const std::string prefix = std::string(root) + "/";
+    return std::string(target).compare(0, prefix.size(), prefix) == 0;
 }
 
 // Value of `#define name VALUE` in C header text, without surrounding quotes; empty if absent.
@@ -370,9 +386,48 @@ enum class DType { fp16, bf16 };
 
 inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
 
-// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal".
+// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key).
 inline std::string forward_key(DType dtype, int head_dim, bool causal) {
-    return std::string("fwd/") + dtype_name(dtype) + "/hd" + std::to_string(head_dim) + (causal ? "/causal" : "/full");
+    return kernel_key("fwd", dtype_name(dtype), head_dim, causal);
+}
+
+// The scale_log2 (params.h) a call with `softmax_scale` launches with (nullopt: 1/sqrt(head_dim)):
+// fagen/contract.py's kernel_scale_log2, the same rule and messages. The kernels take the running
+// maximum of the unscaled scores, so a negative scale is refused; 0 launches with the smallest
+// normal scale_log2, where every exponential rounds to 1 (uniform attention).
+inline Result<float> kernel_scale_log2(std::optional<float> softmax_scale, int head_dim) {
+    const double scale = softmax_scale.has_value() ? static_cast<double>(*softmax_scale)
+                                                   : 1.0 / std::sqrt(static_cast<double>(head_dim));
+    char text[64];
+    std::snprintf(text, sizeof text, "%g", scale);
+    if (std::isnan(scale) || std::isinf(scale)) {
+        return Status::error(std::string("fagen: softmax_scale=") + text + ": must be a finite number");
+    }
+    if (scale < 0) {
+        return Status::error(std::string("fagen: softmax_scale=") + text +
+                             ": must be >= 0 (fagen's kernels take the running maximum of the unscaled scores); "
+                             "for a negative scale pass -q and softmax_scale=|scale|");
+    }
+    const double scale_log2 = scale * FAGEN_LOG2_E;
+    if (scale_log2 > FLT_MAX) {
+        return Status::error(std::string("fagen: softmax_scale=") + text + ": softmax_scale * log2(e) overflows float32");
+    }
+    return static_cast<float>(std::max(scale_log2, static_cast<double>(FAGEN_MIN_SCALE_LOG2)));
+}
+
+// Why `path` (a file index.h names) is not a normalised relative path inside the bundle: the
+// rule of fagen/contract.py's path_problem. Empty when it is one.
+inline std::string path_problem(const std::string& path) {
+    if (path.empty()) return "not a path";
+    if (path.front() == '/' || path.find('\\') != std::string::npos) return "not a normalised relative path";
+    size_t begin = 0;
+    while (begin <= path.size()) {
+        const size_t end = std::min(path.find('/', begin), path.size());
+        const std::string part = path.substr(begin, end - begin);
+        if (part.empty() || part == "." || part == "..") return "not a normalised relative path";
+        begin = end + 1;
+    }
+    return "";
 }
 
 // Strides in elements of a (batch, seqlen, heads, head_dim) tensor whose last dim is contiguous.
@@ -396,8 +451,13 @@ struct Attention {
     int batch = 0, seqlen_q = 0, seqlen_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
     CUdeviceptr q = 0, k = 0, v = 0, out = 0;
     CUdeviceptr lse = 0;  // 0: not written
+    // fp32 scratch for kernels that keep state in global memory (FA1): at least
+    // Kernel::workspace_bytes of the selected kernel; 0 where the kernel needs none.
+    CUdeviceptr workspace = 0;
     std::optional<Strides> q_strides, k_strides, v_strides, out_strides;
-    float softmax_scale = 0.0f;  // 0: 1 / sqrt(head_dim)
+    // Unset: 1 / sqrt(head_dim). Any finite value >= 0 (0: uniform attention over the keys a row
+    // sees); negative, inf and NaN are refused (kernel_scale_log2).
+    std::optional<float> softmax_scale;
 };
 
 class Bundle;
@@ -408,21 +468,27 @@ public:
     const FagenKernelInfo& info() const { return *info_; }
     bool uses_tma() const { return info_->tma_q_rows > 0; }
 
-    // Launch with a filled FagenFwdParams (and, for TMA kernels, maps of q, k, v) on `stream`
-    // in the calling thread's current context, whose device must have been prepared through
+    // Launch with a filled FagenFwdParams (and, for TMA kernels, maps of q, k, v; for kernels
+    // with a workspace, a device buffer of workspace_bytes(params) bytes) on `stream` in the
+    // calling thread's current context, whose device must have been prepared through
     // Bundle::kernel.
-    Status launch(const FagenFwdParams& params, const FagenTmaMaps* maps, CUstream stream) const {
+    Status launch(const FagenFwdParams& params, const FagenTmaMaps* maps, CUstream stream,
+                  CUdeviceptr workspace = 0) const {
         auto d = driver();
         if (!d.ok()) return d.status();
         if (uses_tma() && maps == nullptr) {
             return Status::error(std::string("fagen: kernel ") + info_->name + " uses TMA and needs FagenTmaMaps");
         }
+        if (info_->workspace_floats_per_row > 0 && workspace == 0) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " needs a workspace of " +
+                                 std::to_string(workspace_bytes(params)) + " bytes (Attention::workspace)");
+        }
         CUlaunchConfig config{};
-        const int query_blocks = (params.seqlen_q + info_->block_m - 1) / info_->block_m;
-        config.gridDimX = static_cast<unsigned>(query_blocks);
+        const unsigned query_blocks = static_cast<unsigned>((params.seqlen_q + info_->block_m - 1) / info_->block_m);
+        config.gridDimX = query_blocks;
         config.gridDimY = static_cast<unsigned>(params.heads_q);
         config.gridDimZ = static_cast<unsigned>(params.batch);
-        if (info_->persistent) {
+        if (info_->grid == FAGEN_GRID_PERSISTENT) {
             CUdevice device = 0;
             int sms = 0;
             if (Status s = d.value()->check(d.value()->ctx_get_device(&device), "cuCtxGetDevice"); !s.ok()) return s;
@@ -433,19 +499,31 @@ public:
                 return s;
             }
             const long long tiles = static_cast<long long>(query_blocks) * params.heads_q * params.batch;
-            const long long resident = static_cast<long long>(sms) * info_->ctas_per_sm;
-            config.gridDimX = static_cast<unsigned>(tiles < resident ? tiles : resident);
+            config.gridDimX = static_cast<unsigned>(tiles < sms ? tiles : sms);
             config.gridDimY = config.gridDimZ = 1;
+        } else if (info_->grid == FAGEN_GRID_HEADS) {
+            config.gridDimX = static_cast<unsigned>(params.heads_q);
+            config.gridDimY = static_cast<unsigned>(params.batch);
+            config.gridDimZ = 1;
         }
         config.blockDimX = static_cast<unsigned>(info_->threads);
         config.blockDimY = config.blockDimZ = 1;
         config.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
         config.hStream = stream;
-        void* arguments[2] = {const_cast<FagenFwdParams*>(&params), const_cast<FagenTmaMaps*>(maps)};
+        void* arguments[3] = {const_cast<FagenFwdParams*>(&params)};
+        int count = 1;
+        if (uses_tma()) arguments[count++] = const_cast<FagenTmaMaps*>(maps);
+        if (info_->workspace_floats_per_row > 0) arguments[count++] = &workspace;
         // A CUkernel is accepted wherever the launch API takes a CUfunction.
         return d.value()->check(
             d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(kernel_), arguments, nullptr),
             "cuLaunchKernelEx");
+    }
+
+    // Bytes of the fp32 workspace a launch with `params` needs (0: none).
+    size_t workspace_bytes(const FagenFwdParams& params) const {
+        return sizeof(float) * static_cast<size_t>(info_->workspace_floats_per_row) * params.seqlen_q *
+               params.heads_q * params.batch;
     }
 
 private:
@@ -460,7 +538,8 @@ private:
 class Bundle {
 public:
     // Open the bundle directory this program was compiled against (its include/ holds the
-    // index.h compiled in). Reads files only; needs no driver or GPU.
+    // index.h compiled in): the versions, the manifest's digest, then every cubin (path inside
+    // the bundle, size, sha256), read into memory. Reads files only; needs no driver or GPU.
     static Result<Bundle> open(const std::string& directory) {
         const std::string index_path = directory + "/include/fagen/index.h";
         auto index = detail::read_file(index_path);
@@ -491,19 +570,16 @@ public:
                                  FAGEN_BUNDLE_NAME + "\" expects " + std::string(FAGEN_BUNDLE_MANIFEST_SHA256).substr(0, 16) +
                                  "…); rebuild the program against " + directory + "/include");
         }
-        return Bundle(directory);
+        Bundle bundle(directory);
+        for (const FagenKernelInfo& info : fagen_kernels) {
+            auto image = bundle.read_verified_cubin(info);
+            if (!image.ok()) return image.status();
+            bundle.state_->images.push_back(std::move(image.value()));
+        }
+        return bundle;
     }
 
     const std::string& directory() const { return state_->directory; }
-
-    // Check the size and sha256 of every cubin against index.h. Needs no driver or GPU.
-    Status verify() const {
-        for (const FagenKernelInfo& info : fagen_kernels) {
-            auto image = read_verified_cubin(info);
-            if (!image.ok()) return image.status();
-        }
-        return Status();
-    }
 
     // The best kernel for `key` on a device of compute capability cc_major.cc_minor, for calls
     // with `seqlen_k` keys (0: unknown) (rules of runs_on/preferred_over); the error says what
@@ -577,9 +653,12 @@ public:
             return Status::error("fagen: need seqlen_k >= 1 and heads_q (" + std::to_string(a.heads_q) +
                                  ") a multiple of heads_kv (" + std::to_string(a.heads_kv) + ")");
         }
-        if (a.heads_q > 65535 || a.batch > 65535) {
-            return Status::error("fagen: heads_q and batch must each be at most 65535 (CUDA grid limit)");
+        if (a.heads_q > FAGEN_MAX_GRID_YZ || a.batch > FAGEN_MAX_GRID_YZ) {
+            return Status::error("fagen: heads_q and batch must each be at most " + std::to_string(FAGEN_MAX_GRID_YZ) +
+                                 " (CUDA grid limit)");
         }
+        const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
+        if (!scale_log2.ok()) return scale_log2.status();
         auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
@@ -611,10 +690,9 @@ public:
         p.heads_kv = a.heads_kv;
         p.seqlen_q = a.seqlen_q;
         p.seqlen_k = a.seqlen_k;
-        const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
-        p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // the kernels work in base 2
+        p.scale_log2 = scale_log2.value();
 
-        if (!tma) return kernel.value()->launch(p, nullptr, stream);
+        if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
         const FagenKernelInfo& info = kernel.value()->info();
         const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, Strides, int> map_specs[] = {
@@ -626,7 +704,7 @@ public:
             if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, strides, box_rows);
                 !s.ok()) return s;
         }
-        return kernel.value()->launch(p, &maps, stream);
+        return kernel.value()->launch(p, &maps, stream, a.workspace);
     }
 
     Bundle(Bundle&&) = default;
@@ -645,6 +723,7 @@ public:
 private:
     struct State {
         std::string directory;
+        std::vector<std::vector<unsigned char>> images;  // per fagen_kernels row, verified at open
         std::mutex mutex;
         std::map<std::string, std::unique_ptr<Kernel>> kernels;
     };
@@ -652,7 +731,15 @@ private:
     explicit Bundle(std::string directory) : state_(std::make_unique<State>()) { state_->directory = std::move(directory); }
 
     Result<std::vector<unsigned char>> read_verified_cubin(const FagenKernelInfo& info) const {
+        const std::string problem = path_problem(info.cubin);
+        if (!problem.empty()) {
+            return Status::error(std::string("fagen: index.h: kernel ") + info.name + ": cubin '" + info.cubin + "': " +
+                                 problem + " (a bundle names files inside itself only); refusing the bundle");
+        }
         const std::string path = directory() + "/" + info.cubin;
+        if (!detail::inside(directory(), path)) {
+            return Status::error("fagen: " + path + ": resolves outside the bundle (through a link); refusing it");
+        }
         auto image = detail::read_file(path);
         if (!image.ok()) return Status::error("fagen: cubin listed in index.h is missing: " + image.status().message());
         const std::string digest = sha256_hex(image.value().data(), image.value().size());
@@ -666,11 +753,9 @@ private:
     }
 
     Result<std::unique_ptr<Kernel>> load(const FagenKernelInfo& info, const Driver& cu) const {
-        auto image = read_verified_cubin(info);
-        if (!image.ok()) return image.status();
         auto kernel = std::make_unique<Kernel>();
         kernel->info_ = &info;
-        kernel->image_ = std::move(image.value());
+        kernel->image_ = state_->images[static_cast<size_t>(&info - fagen_kernels)];
         if (Status s = cu.check(cu.library_load_data(&kernel->library_, kernel->image_.data(), nullptr, nullptr, 0, nullptr,
                                                      nullptr, 0),
                                 "cuLibraryLoadData");
@@ -687,14 +772,16 @@ private:
     // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8
     // elements); a tensor map cannot describe a broadcast (stride 0) dimension.
     static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
-        if (data == 0 || data % 16 != 0) {
-            return Status::error(std::string("fagen: ") + name + " must be a non-null, 16-byte aligned device pointer");
+        if (data == 0 || data % FAGEN_ALIGNMENT_BYTES != 0) {
+            return Status::error(std::string("fagen: ") + name + " must be a non-null, " +
+                                 std::to_string(FAGEN_ALIGNMENT_BYTES) + "-byte aligned device pointer");
         }
         for (long long stride : {s.batch, s.row, s.head}) {
-            if (stride % 8 != 0 || stride < 0 || (tma && stride == 0)) {
+            if (stride % FAGEN_STRIDE_MULTIPLE != 0 || stride < 0 || (tma && stride == 0)) {
                 return Status::error(std::string("fagen: ") + name + " strides (" + std::to_string(s.batch) + ", " +
-                                     std::to_string(s.row) + ", " + std::to_string(s.head) +
-                                     ") must be multiples of 8 elements" + (tma ? " and non-zero (TMA kernel)" : ""));
+                                     std::to_string(s.row) + ", " + std::to_string(s.head) + ") must be multiples of " +
+                                     std::to_string(FAGEN_STRIDE_MULTIPLE) + " elements" +
+                                     (tma ? " and non-zero (TMA kernel)" : ""));
             }
         }
         return Status();
@@ -706,11 +793,11 @@ private:
                                     int head_dim, const Strides& strides, int box_rows) {
         auto d = driver();
         if (!d.ok()) return d.status();
-        constexpr cuuint64_t element_bytes = 2;
+        constexpr cuuint64_t element_bytes = FAGEN_ELEMENT_BYTES;
         const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
         const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
                                             cuuint64_t(strides.batch) * element_bytes};
-        const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+        const cuuint32_t box[4] = {FAGEN_TMA_BOX_COLUMNS, cuuint32_t(box_rows), 1, 1};
         const cuuint32_t element_strides[4] = {1, 1, 1, 1};
         CUtensorMap map;
         Status s = d.value()->check(

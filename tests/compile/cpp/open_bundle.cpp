@@ -1,22 +1,33 @@
 // Test driver for the parts of fagen.hpp that need no GPU.
-//   open_bundle DIR                     open + verify; exit 0, or 1 with the refusal on stderr
+//   open_bundle DIR                     open (which verifies every cubin); exit 0, or 1 with
+//                                       the refusal on stderr
 //   open_bundle DIR KEY MAJOR MINOR [SEQLEN_K]
 //                                       also print the kernel selected for KEY on MAJOR.MINOR
 //                                       (for calls with SEQLEN_K keys; "none")
+//   open_bundle --scale SCALE|default HEAD_DIM
+//                                       print kernel_scale_log2's value (%.9g) or its error
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "fagen/fagen.hpp"
 
 int main(int argc, char** argv) {
+    if (argc == 4 && std::strcmp(argv[1], "--scale") == 0) {
+        std::optional<float> scale;
+        if (std::strcmp(argv[2], "default") != 0) scale = std::strtof(argv[2], nullptr);
+        const fagen::Result<float> scale_log2 = fagen::kernel_scale_log2(scale, std::atoi(argv[3]));
+        if (!scale_log2.ok()) {
+            std::printf("error: %s\n", scale_log2.status().message().c_str());
+        } else {
+            std::printf("%.9g\n", static_cast<double>(scale_log2.value()));
+        }
+        return 0;
+    }
     if (argc != 2 && argc != 5 && argc != 6) return 2;
     auto bundle = fagen::Bundle::open(argv[1]);
     if (!bundle.ok()) {
         std::fprintf(stderr, "%s\n", bundle.status().message().c_str());
-        return 1;
-    }
-    if (fagen::Status s = bundle->verify(); !s.ok()) {
-        std::fprintf(stderr, "%s\n", s.message().c_str());
         return 1;
     }
     if (argc >= 5) {

@@ -13,6 +13,7 @@
 
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/smem_rows.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/fa2/element.cuh"
@@ -43,42 +44,12 @@ struct Forward {
                   "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
     static_assert(Config::kStages >= 1);
 
-    // Copies `kRows` rows of head_dim elements from global (row stride in elements) to shared
-    // memory; rows at or past `rows_valid` are zero-filled.
     template <int kRows>
     static __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src,
                                                      long long row_stride, int rows_valid,
                                                      int tid) {
-        constexpr int kVecs = kRows * kVecsPerRow;
-        if constexpr (kThreads % kVecsPerRow == 0 && kVecs % kThreads == 0) {
-            // Each thread owns one vector column and every kRowStep-th row: one running
-            // pointer instead of a precomputed 64-bit offset per row (which costs registers).
-            constexpr int kRowStep = kThreads / kVecsPerRow;
-            const int vec = tid % kVecsPerRow;
-            int row = tid / kVecsPerRow;
-            const Element* g = src + row * row_stride + vec * 8;
-            const long long step = kRowStep * row_stride;
-            uint32_t dst = smem + row * kPitch + vec * 16;
-#pragma unroll
-            for (int it = 0; it < kVecs / kThreads; ++it) {
-                ptx::cp_async_cg_16(dst, g, row < rows_valid);
-                g += step;
-                row += kRowStep;
-                dst += kRowStep * kPitch;
-            }
-        } else {
-#pragma unroll
-            for (int it = 0; it < (kVecs + kThreads - 1) / kThreads; ++it) {
-                const int idx = tid + it * kThreads;
-                if (kVecs % kThreads == 0 || idx < kVecs) {
-                    const int row = idx / kVecsPerRow;
-                    const int vec = idx % kVecsPerRow;
-                    const bool valid = row < rows_valid;
-                    const Element* g = src + (valid ? row : 0) * row_stride + vec * 8;
-                    ptx::cp_async_cg_16(smem + row * kPitch + vec * 16, g, valid);
-                }
-            }
-        }
+        algo::load_rows<Element, kRows, Config::kHeadDim, kPitch, kThreads>(smem, src, row_stride,
+                                                                            rows_valid, tid);
     }
 
     static __device__ void run(const FagenFwdParams& p, char* smem) {

@@ -1,21 +1,25 @@
 // FlashAttention-3 forward on Hopper (sm_90a): TMA loads into an mbarrier-guarded shared-memory
 // ring, wgmma with fp32 accumulators in registers, warp specialization with register
-// reallocation, optional ping-pong scheduling between the two consumer warpgroups and optional
-// intra-warpgroup overlap of softmax with the next Q K^T (FlashAttention-3 paper, sections 3.1
-// and 3.2). Each feature is a Config flag so its effect can be measured alone; so are the
-// softmax options of algo/online_softmax.cuh (exp2 emulation, conditional rescale).
+// reallocation, the softmax of block j overlapped with P_{j-1} V_{j-1} inside each warpgroup,
+// optional ping-pong scheduling between the two consumer warpgroups (FlashAttention-3 paper,
+// sections 3.1 and 3.2), and a persistent grid.
 //
 // Roles (warpgroup = 128 threads):
-//   producer  (warpgroup 0, when kWarpSpecialized): one thread issues every TMA load.
-//   consumers (the others: 1-3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
+//   producer  (warpgroup 0): one thread issues every TMA load.
+//   consumers (the others: 2 or 3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
 //             operands in shared memory), online softmax, O += P V (wgmma, P from registers),
 //             epilogue.
-// Without warp specialization the consumers are the whole CTA and thread 0 issues the loads
-// between its own MMAs. Persistent kernels (kPersistent, warp-specialized only) walk several
-// tiles per CTA: the producer loads the next tile's Q and K/V while the consumers still compute
-// and store the current one; ring positions and barrier phases run on across tiles. With
-// kEarlyFirstQk a consumer also issues the next tile's first Q K^T before this tile's epilogue
-// (S is free once the last P is in registers), so that the tensor cores work through it.
+// Every CTA walks several tiles: the producer loads the next tile's Q and K/V while the
+// consumers still compute and store the current one; ring positions and barrier phases run on
+// across tiles. With kEarlyFirstQk a consumer also issues the next tile's first Q K^T before
+// this tile's epilogue (S is free once the last P is in registers), so that the tensor cores
+// work through it.
+//
+// What every shipped kernel does is structure here, not a flag. The measurements that made it
+// so (docs/performance.md, "Ideas tried"): the producer warpgroup and the overlap each beat
+// their absence in every row of the run-1 ablation, the persistent grid beat one tile per CTA
+// at every length (runs 2, 20), and one-consumer tiles (two CTAs per SM) stayed below the
+// two-consumer ones (run 23).
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): kQStages Q tiles (two
 // with kEarlyFirstQk, so that the next tile's Q is loaded a tile ahead), then kStages K tiles,
@@ -70,10 +74,10 @@ struct Forward {
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
 
-    static_assert(kBlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3);
+    static_assert(kBlockM % 64 == 0 && kConsumers >= 2 && kConsumers <= 3);
     static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
     static_assert(kBlockN % 16 == 0);
-    static_assert(Config::kThreads == (kConsumers + (Config::kWarpSpecialized ? 1 : 0)) * 128);
+    static_assert(Config::kThreads == (kConsumers + 1) * 128, "a producer warpgroup + the consumers");
     static_assert(!Config::kPingpong || kConsumers == 2, "ping-pong alternates two consumers");
     static_assert(Config::kSmemQOffset % kSwizzleAtomBytes == 0 &&
                   Config::kSmemKOffset % kSwizzleAtomBytes == 0 &&
@@ -83,14 +87,8 @@ struct Forward {
     static_assert(Config::kSmemVStageBytes == kKVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
     static_assert(Config::kSmemBarrierOffset ==
                   Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
-    static_assert(!Config::kPersistent || Config::kWarpSpecialized,
-                  "only a producer warpgroup can load the next tile ahead");
-    static_assert(!Config::kPeelMaskedBlocks || Config::kIntraWarpgroupOverlap,
-                  "the masked blocks are peeled in the overlapped loop");
-    static_assert(!Config::kEarlyFirstQk || (Config::kPersistent &&
-                                             Config::kIntraWarpgroupOverlap && !Config::kPingpong),
-                  "the next tile's first Q K^T needs a next tile and the overlapped loop, and "
-                  "goes out outside the ping-pong turns");
+    static_assert(!Config::kEarlyFirstQk || !Config::kPingpong,
+                  "the next tile's first Q K^T goes out outside the ping-pong turns");
 
     struct Smem {
         uint32_t q, k, v;  // shared addresses of the tiles
@@ -112,8 +110,8 @@ struct Forward {
         __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kKVBytes; }
     };
 
-    using Scheduler = algo::TileScheduler<Config::kCausal, Config::kPersistent>;
-    using Softmax = algo::OnlineSoftmax<1, Config, Config::kMmaRowSum>;
+    using Scheduler = algo::TileScheduler<Config::kCausal, true>;
+    using Softmax = algo::OnlineSoftmax<1, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
 
     using Work = algo::TileWork;
 
@@ -246,14 +244,13 @@ struct Forward {
     // tile's once this tile's last P V is out (S is free then: the last P is in registers); the
     // other kernels keep S to themselves and ignore both.
     template <class IssueNextFirstQk>
-    static __device__ void consume(const FagenFwdParams& prm, const FagenTmaMaps& maps,
-                                   const Smem& s, const Work& w, int consumer, int thread,
-                                   int ring_base, int tile_count, float (&tile_acc_s)[1][kSTiles][4],
+    static __device__ void consume(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                   int consumer, int thread, int ring_base, int tile_count,
+                                   float (&tile_acc_s)[1][kSTiles][4],
                                    IssueNextFirstQk&& issue_next_first_qk) {
         const int warp = thread / 32;  // within the warpgroup
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
-        const bool issues_loads = !Config::kWarpSpecialized && consumer == 0 && thread == 0;
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
         const int q = ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
@@ -262,26 +259,26 @@ struct Forward {
 
         float acc_o[1][kOAccTiles][4];
         algo::clear_fragment(acc_o);
-        Softmax softmax;  // Config carries the softmax options
+        Softmax softmax;
         softmax.init();
         float own_acc_s[1][kSTiles][4];
         float(&acc_s)[1][kSTiles][4] = Config::kEarlyFirstQk ? tile_acc_s : own_acc_s;
         uint32_t p[kPSteps][4];
         float rescale[1][2];
 
-        if (issues_loads) {
-            load_q(maps, s, w, tile_count);
-            for (int j = 0; j < kStages - 1 && j < w.n_blocks; ++j) load_kv(maps, s, w, j, j);
-        }
-        __syncwarp();  // the loading lane rejoins its warp before the .aligned wgmma ops
+        // No lane diverged here (the loads are the producer's), but ptxas schedules the main
+        // loop around this WARPSYNC: without it and the one in `iteration`, 24 of the 32 hopper
+        // kernels compile to different SASS (2026-12-01), none of it measured, so the measured
+        // schedule stays.
+        __syncwarp();
         // kEarlyFirstQk: waited for before the tile's first Q K^T went out.
         if constexpr (!Config::kEarlyFirstQk) {
             ptx::mbarrier_wait_parity(s.q_full(q), ring_parity<kQStages>(tile_count));
         }
 
-        // S = Q K^T of block j, masked and turned into probabilities; O rescaled unless its
-        // P V is still in flight (then the caller rescales after waiting).
-        auto scores = [&](int j, bool pv_in_flight, auto may_need_mask) {
+        // S = Q K^T of block j, masked and turned into probabilities; O is rescaled by the
+        // caller once P_{j-1} V_{j-1}, still in flight here, has completed.
+        auto scores = [&](int j, auto may_need_mask) {
             const int n_block = w.n_blocks - 1 - j;
             if constexpr (decltype(may_need_mask)::value) {
                 if (mask.block_needs_mask(n_block, w.row_begin + warp_row, kBlockN)) {
@@ -289,114 +286,82 @@ struct Forward {
                 }
             }
             softmax.update(acc_s, rescale, prm.scale_log2);
-            if (!pv_in_flight) Softmax::rescale_output(acc_o, rescale);
         };
 
         // Q K_j^T has completed: K_j's slot is free, and after the tile's last block so is Q,
-        // whose next tile a persistent producer then loads during the last softmax, P V and
-        // epilogue instead of after them.
+        // whose next tile the producer then loads during the last softmax, P V and epilogue
+        // instead of after them.
         auto release_k = [&](int j) {
             ptx::mbarrier_arrive(s.k_empty(slot_of(j)));
             if (j == w.n_blocks - 1) ptx::mbarrier_arrive(s.q_empty(q));
         };
 
-        if constexpr (Config::kIntraWarpgroupOverlap) {
-            // Software pipeline: iteration j issues Q K_j and P_{j-1} V_{j-1} back to back, then
-            // runs the softmax of block j while P_{j-1} V_{j-1} is still on the tensor cores.
-            //
-            // V_j is waited for right after the softmax that made P_j, before the wait for
-            // P_{j-1} V_{j-1}. Besides being the last moment it is needed by, that wait loop ends
-            // the basic block: ptxas schedules wgmma.wait_group as early as its block allows,
-            // and in the same block as the softmax it went ahead of all of it (SASS of hd128
-            // m128n160: the wait right before the first row-max instruction, no exp2 under
-            // the P V), which left the overlap on paper only.
-            if constexpr (!Config::kEarlyFirstQk) {
-                ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
-                wait_turn(consumer);
-                ptx::wgmma_fence();
-                issue_qk(acc_s[0], desc, slot_of(0));
-                pass_turn(consumer);
-            }
-            ptx::wgmma_wait_group<0>();
-            fence_accumulators(acc_s[0]);
-            release_k(0);
-            scores(0, true, BoolConstant<true>{});
-            ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
-            convert_p(acc_s[0], p);
-            auto iteration = [&](int j, auto may_need_mask) {
-                // Slot (j-2) % kStages is free: K_{j-2} and V_{j-2} were released last iteration.
-                if (issues_loads && j + kStages - 2 < w.n_blocks) {
-                    load_kv(maps, s, w, j + kStages - 2, j + kStages - 2);
-                }
-                __syncwarp();
-                ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
-                wait_turn(consumer);
-                ptx::wgmma_fence();
-                issue_qk(acc_s[0], desc, slot_of(j));
-                rescale_under_mma(acc_o, rescale);
-                issue_pv(acc_o[0], p, desc, slot_of(j - 1));
-                pass_turn(consumer);
-                ptx::wgmma_wait_group<1>();
-                fence_accumulators(acc_s[0]);
-                release_k(j);
-                scores(j, true, may_need_mask);
-                ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
-                ptx::wgmma_wait_group<0>();
-                fence_accumulators(acc_o[0]);
-                ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
-                convert_p(acc_s[0], p);
-            };
-            int j = 1;
-            if constexpr (Config::kPeelMaskedBlocks) {
-                // Iterations j < masked_end may hold masked keys for some row of the tile (the
-                // visited blocks run from the last key block down); each warp still asks for its
-                // own rows there. The loop after them has no mask code at all. Counted from the
-                // tile's first row, not the warp's: a bound that differs between warps made the
-                // loop counter, and with it the ring slots and phases, non-uniform (run 53).
-                const int masked_end = mask.masked_key_blocks(w.n_blocks, w.row_begin, kBlockN);
-                for (; j < masked_end; ++j) iteration(j, BoolConstant<true>{});
-                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<false>{});
-            } else {
-                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
-            }
-            const int last = w.n_blocks - 1;
-            rescale_under_mma(acc_o, rescale);
-            issue_pv(acc_o[0], p, desc, slot_of(last));
-            if constexpr (Config::kEarlyFirstQk) {
-                // The next tile's first block sits right after this tile's last in the ring.
-                issue_next_first_qk(slot_of(w.n_blocks), parity_of(w.n_blocks), slot_of(last));
-                ptx::wgmma_wait_group<1>();  // this P V; the next Q K^T runs on
-            } else {
-                ptx::wgmma_wait_group<0>();
-            }
-            fence_accumulators(acc_o[0]);
-            ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
-        } else {
-            for (int j = 0; j < w.n_blocks; ++j) {
-                // Slot (j-1) % kStages is free once both consumers released block j-1.
-                if (issues_loads && j + kStages - 1 < w.n_blocks) {
-                    load_kv(maps, s, w, j + kStages - 1, j + kStages - 1);
-                }
-                __syncwarp();
-                ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
-                wait_turn(consumer);
-                ptx::wgmma_fence();
-                issue_qk(acc_s[0], desc, slot_of(j));
-                pass_turn(consumer);
-                ptx::wgmma_wait_group<0>();
-                fence_accumulators(acc_s[0]);
-                release_k(j);
-                scores(j, false, BoolConstant<true>{});
-                convert_p(acc_s[0], p);
-                ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
-                fence_accumulators(acc_o[0]);
-                ptx::wgmma_fence();
-                issue_pv(acc_o[0], p, desc, slot_of(j));
-                ptx::wgmma_wait_group<0>();
-                fence_accumulators(acc_o[0]);
-                ptx::mbarrier_arrive(s.v_empty(slot_of(j)));
-            }
+        // Software pipeline: iteration j issues Q K_j and P_{j-1} V_{j-1} back to back, then runs
+        // the softmax of block j while P_{j-1} V_{j-1} is still on the tensor cores.
+        //
+        // V_j is waited for right after the softmax that made P_j, before the wait for
+        // P_{j-1} V_{j-1}. Besides being the last moment it is needed by, that wait loop ends the
+        // basic block: ptxas schedules wgmma.wait_group as early as its block allows, and in the
+        // same block as the softmax it went ahead of all of it (SASS of hd128 m128n160: the wait
+        // right before the first row-max instruction, no exp2 under the P V), which left the
+        // overlap on paper only.
+        if constexpr (!Config::kEarlyFirstQk) {
+            ptx::mbarrier_wait_parity(s.k_full(slot_of(0)), parity_of(0));
+            wait_turn(consumer);
+            ptx::wgmma_fence();
+            issue_qk(acc_s[0], desc, slot_of(0));
+            pass_turn(consumer);
         }
+        ptx::wgmma_wait_group<0>();
+        fence_accumulators(acc_s[0]);
+        release_k(0);
+        scores(0, BoolConstant<true>{});
+        ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
+        convert_p(acc_s[0], p);
+        auto iteration = [&](int j, auto may_need_mask) {
+            __syncwarp();  // see the one before the first Q K^T
+            ptx::mbarrier_wait_parity(s.k_full(slot_of(j)), parity_of(j));
+            wait_turn(consumer);
+            ptx::wgmma_fence();
+            issue_qk(acc_s[0], desc, slot_of(j));
+            rescale_under_mma(acc_o, rescale);
+            issue_pv(acc_o[0], p, desc, slot_of(j - 1));
+            pass_turn(consumer);
+            ptx::wgmma_wait_group<1>();
+            fence_accumulators(acc_s[0]);
+            release_k(j);
+            scores(j, may_need_mask);
+            ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
+            ptx::wgmma_wait_group<0>();
+            fence_accumulators(acc_o[0]);
+            ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
+            convert_p(acc_s[0], p);
+        };
+        int j = 1;
+        if constexpr (Config::kPeelMaskedBlocks) {
+            // Iterations j < masked_end may hold masked keys for some row of the tile (the visited
+            // blocks run from the last key block down); each warp still asks for its own rows
+            // there. The loop after them has no mask code at all. Counted from the tile's first
+            // row, not the warp's: a bound that differs between warps made the loop counter, and
+            // with it the ring slots and phases, non-uniform (run 53).
+            const int masked_end = mask.masked_key_blocks(w.n_blocks, w.row_begin, kBlockN);
+            for (; j < masked_end; ++j) iteration(j, BoolConstant<true>{});
+            for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<false>{});
+        } else {
+            for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
+        }
+        const int last = w.n_blocks - 1;
+        rescale_under_mma(acc_o, rescale);
+        issue_pv(acc_o[0], p, desc, slot_of(last));
+        if constexpr (Config::kEarlyFirstQk) {
+            // The next tile's first block sits right after this tile's last in the ring.
+            issue_next_first_qk(slot_of(w.n_blocks), parity_of(w.n_blocks), slot_of(last));
+            ptx::wgmma_wait_group<1>();  // this P V; the next Q K^T runs on
+        } else {
+            ptx::wgmma_wait_group<0>();
+        }
+        fence_accumulators(acc_o[0]);
+        ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
 
         float row_lse[1][2];
         softmax.finalize(acc_o, row_lse, prm.scale_log2);
@@ -469,13 +434,6 @@ struct Forward {
     static __device__ void produce(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
         const Smem s = smem_layout(smem);
         const Scheduler sched = scheduler(prm);
-        if constexpr (!Config::kPersistent) {
-            const Work w = work_for(prm, sched, sched.first());
-            if (w.n_blocks <= 0) return;
-            load_q(maps, s, w, 0);
-            for (int j = 0; j < w.n_blocks; ++j) load_kv(maps, s, w, j, j);
-            return;
-        }
         int ring = 0, tile_count = 0;
         for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
             const Work w = work_for(prm, sched, index);
@@ -501,8 +459,7 @@ struct Forward {
     // without keys are written in a pass of their own afterwards, outside the loop: entry 25 of
     // docs/performance.md found that their thread-dependent store loop inside a tile walk made
     // ptxas keep the ring state in ordinary instead of uniform registers.
-    static __device__ void consume_tiles_early_first_qk(const FagenFwdParams& prm,
-                                                        const FagenTmaMaps& maps, const Smem& s,
+    static __device__ void consume_tiles_early_first_qk(const FagenFwdParams& prm, const Smem& s,
                                                         const Scheduler& sched, int consumer,
                                                         int thread) {
         auto find_tile_with_keys = [&](int& index, Work& w) {
@@ -540,8 +497,7 @@ struct Forward {
                     ptx::wgmma_fence();
                     issue_qk(acc_s[0], descriptors(s, consumer, q), has_next ? slot : last_slot);
                 };
-                consume(prm, maps, s, w, consumer, thread, ring, tile_count, acc_s,
-                        issue_next_first_qk);
+                consume(prm, s, w, consumer, thread, ring, tile_count, acc_s, issue_next_first_qk);
                 if (!has_next) break;
                 ring += w.n_blocks;
                 ++tile_count;
@@ -558,23 +514,15 @@ struct Forward {
         }
     }
 
-    static __device__ void consume_tiles(const FagenFwdParams& prm, const FagenTmaMaps& maps,
-                                         char* smem, int consumer, int thread) {
+    static __device__ void consume_tiles(const FagenFwdParams& prm, char* smem, int consumer,
+                                         int thread) {
         const Smem s = smem_layout(smem);
         const Scheduler sched = scheduler(prm);
         if (Config::kPingpong && consumer == 1) pass_turn(consumer);  // consumer 0 goes first
         float unused_acc[1][kSTiles][4];
         auto no_early_qk = [](int, uint32_t, int) {};
-        // A one-tile kernel carries no loop state through its main loop (registers are tight).
-        if constexpr (!Config::kPersistent) {
-            const Work w = work_for(prm, sched, sched.first());
-            if (w.n_blocks <= 0) {
-                write_empty_rows(prm, w, consumer * 128 + thread);
-            } else {
-                consume(prm, maps, s, w, consumer, thread, 0, 0, unused_acc, no_early_qk);
-            }
-        } else if constexpr (Config::kEarlyFirstQk) {
-            consume_tiles_early_first_qk(prm, maps, s, sched, warp_uniform(consumer), thread);
+        if constexpr (Config::kEarlyFirstQk) {
+            consume_tiles_early_first_qk(prm, s, sched, warp_uniform(consumer), thread);
         } else {
             int ring = 0, tile_count = 0;
             for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
@@ -583,8 +531,7 @@ struct Forward {
                     write_empty_rows(prm, w, consumer * 128 + thread);
                     continue;
                 }
-                consume(prm, maps, s, w, consumer, thread, ring, tile_count++, unused_acc,
-                        no_early_qk);
+                consume(prm, s, w, consumer, thread, ring, tile_count++, unused_acc, no_early_qk);
                 ring += w.n_blocks;
             }
         }
@@ -632,16 +579,12 @@ struct Forward {
         if constexpr (Config::kMmaRowSum) fill_ones_chunks(smem);
         __syncthreads();
 
-        if constexpr (Config::kWarpSpecialized) {
-            if (threadIdx.x < 128) {
-                ptx::setmaxnreg_dec<Config::kProducerRegisters>();
-                if (threadIdx.x == 0) produce(prm, maps, smem);
-            } else {
-                ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
-                consume_tiles(prm, maps, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);
-            }
+        if (threadIdx.x < 128) {
+            ptx::setmaxnreg_dec<Config::kProducerRegisters>();
+            if (threadIdx.x == 0) produce(prm, maps, smem);
         } else {
-            consume_tiles(prm, maps, smem, threadIdx.x / 128, threadIdx.x % 128);
+            ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
+            consume_tiles(prm, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);
         }
     }
 };

@@ -1,0 +1,284 @@
+"""The contract between build and run: what the spec, the bundle writer, the Python runtime and
+the C++ loader must agree on, defined once.
+
+Standard library only (like ``abi.py``, the ctypes mirror of ``params.h``): the runtime imports
+it on machines without pydantic, Jinja or NVRTC. The C++ side gets the same definitions as a
+generated header, ``include/fagen/contract.h`` (``render_contract_header``), written into every
+bundle beside ``index.h``.
+
+- the kernel key: what a caller asks a bundle for (``fwd/bf16/hd128/causal``), format and parse;
+- the shared limits the kernels' inputs must meet (head dims, alignment, strides, grid);
+- the softmax-scale rule: which ``softmax_scale`` values the kernels answer correctly, and the
+  ``scale_log2`` they are launched with;
+- the rule for paths a manifest names (normalised, relative, inside the bundle);
+- the launch description of a kernel and its manifest entry (what the writer records and the
+  loaders launch by).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+import struct
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+# ---------------------------------------------------------------------------- kernel key
+
+DIRECTIONS = ("fwd", "bwd")
+DTYPES = ("fp16", "bf16")
+MASKS = {False: "full", True: "causal"}
+# The one spelling of a key; parse() and the generated C++ kernel_key() follow it.
+KEY_FORMAT = "{direction}/{dtype}/hd{head_dim}/{mask}"
+_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dim": "[0-9]+", "mask": "[a-z]+"}
+_KEY = re.compile("^" + "".join(
+    re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
+    for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT)) + "$")
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """What a call asks a bundle for, architecture aside; the loaders match it exactly."""
+
+    direction: str
+    dtype: str
+    head_dim: int
+    causal: bool
+
+    def __str__(self) -> str:
+        return KEY_FORMAT.format(direction=self.direction, dtype=self.dtype,
+                                 head_dim=self.head_dim, mask=MASKS[self.causal])
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelKey | None":
+        """The key `text` spells, or None when it has another shape."""
+        found = _KEY.match(text)
+        if found is None or found["mask"] not in MASKS.values():
+            return None
+        return cls(found["direction"], found["dtype"], int(found["head_dim"]),
+                   found["mask"] == MASKS[True])
+
+
+def kernel_key(direction: str, dtype: str, head_dim: int, causal: bool) -> str:
+    return str(KernelKey(direction, dtype, head_dim, causal))
+
+
+# ---------------------------------------------------------------------------- shared limits
+
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8  # 16-byte vectors of fp16/bf16
+ALIGNMENT_BYTES = 16  # every row start: the kernels move 16-byte vectors
+STRIDE_MULTIPLE = 8  # batch/row/head strides, in elements (16 bytes of fp16/bf16)
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
+TMA_BOX_COLUMNS = 64  # FagenTmaMaps (params.h): boxes of 64 columns, 128-byte swizzle
+ELEMENT_BYTES = 2  # fp16 / bf16
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no fagen kernel can take `head_dim`, or None."""
+    if head_dim % HEAD_DIM_MULTIPLE or not 0 < head_dim <= MAX_HEAD_DIM:
+        return (f"head_dim={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
+                f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]")
+    return None
+
+
+# ---------------------------------------------------------------------------- softmax scale
+
+LOG2_E = math.log2(math.e)
+# The kernels take the running maximum of the raw scores and compute exp2(s * c - m * c) with
+# c = softmax_scale * log2(e): exact for c > 0. For c < 0 the maximum of the scaled scores is the
+# minimum of the raw ones, so the kernels would overflow: refused. For c = 0 a masked score
+# (-inf) times c is NaN: c is raised to the smallest normal fp32 instead, where every
+# exponential of a score below 2^100 in magnitude rounds to exactly 1 in fp32, i.e. the uniform
+# attention that scale 0 means (the mean of the values a row sees); LSE = ln(keys seen).
+MIN_SCALE_LOG2 = 2.0 ** -126
+_FP32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+
+class ScaleError(ValueError):
+    """A softmax_scale the kernels cannot answer correctly."""
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def kernel_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
+    """The `scale_log2` (params.h) a call with `softmax_scale` launches with (None: the default
+    1/sqrt(head_dim)); raises ScaleError for NaN, infinities, negative scales and scales whose
+    base-2 form overflows fp32. Mirrored by fagen.hpp's kernel_scale_log2."""
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(head_dim)
+    scale = float(softmax_scale)
+    if math.isnan(scale) or math.isinf(scale):
+        raise ScaleError(f"softmax_scale={scale}: must be a finite number")
+    if scale < 0:
+        raise ScaleError(
+            f"softmax_scale={scale}: must be >= 0 (fagen's kernels take the running maximum of "
+            "the unscaled scores); for a negative scale pass -q and softmax_scale=|scale|")
+    scale_log2 = scale * LOG2_E
+    if scale_log2 > _FP32_MAX:
+        raise ScaleError(f"softmax_scale={scale}: softmax_scale * log2(e) overflows float32")
+    return max(scale_log2, MIN_SCALE_LOG2)
+
+
+# ---------------------------------------------------------------------------- manifest paths
+
+
+def path_problem(path: object) -> str | None:
+    """Why `path` (a file named by a manifest) is not a normalised relative path inside the
+    bundle, or None. Says nothing about what the path points to."""
+    if not isinstance(path, str) or not path:
+        return "not a path"
+    pure = PurePosixPath(path)
+    if "\\" in path or "\0" in path or pure.is_absolute() or pure.as_posix() != path:
+        return "not a normalised relative path"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "not a normalised relative path"
+    return None
+
+
+# ---------------------------------------------------------------------------- launch and entry
+
+# The shapes of a launch's grid (Launch.grid); index.h stores the position in this tuple.
+#   tiles:      (ceil(seqlen_q / block_m), heads_q, batch), one query block per CTA
+#   persistent: (min(query blocks * heads_q * batch, SMs), 1, 1), each CTA walks many tiles
+#   heads:      (heads_q, batch, 1), one CTA walks every block of a head (FA1)
+GRIDS = ("tiles", "persistent", "heads")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a host launches a kernel: block, grid (GRIDS) and the parameters after FagenFwdParams:
+    FagenTmaMaps when tma_q_rows > 0 (box rows of the Q and K/V maps, 64 columns, 128-byte
+    swizzle), then a float* workspace of workspace_floats_per_row floats per query row (of every
+    head and batch) when that is > 0."""
+
+    threads: int
+    block_m: int
+    dynamic_smem: int
+    grid: str = "tiles"
+    tma_q_rows: int = 0
+    tma_kv_rows: int = 0
+    workspace_floats_per_row: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Launch":
+        d = dict(d)
+        if "grid" not in d:  # schemas 1-2: persistent (and ctas_per_sm, now always 1)
+            d["grid"] = GRIDS[1] if d.pop("persistent", False) else GRIDS[0]
+            d.pop("ctas_per_sm", None)
+        if d["grid"] not in GRIDS:
+            raise ValueError(f"launch.grid {d['grid']!r} is not one of {', '.join(GRIDS)}")
+        return cls(**d)
+
+    def grid_dims(self, seqlen_q: int, heads_q: int, batch: int, multiprocessors: int) -> tuple[int, int, int]:
+        m_blocks = -(-seqlen_q // self.block_m)
+        if self.grid == "persistent":
+            return (min(m_blocks * heads_q * batch, multiprocessors), 1, 1)
+        if self.grid == "heads":
+            return (heads_q, batch, 1)
+        return (m_blocks, heads_q, batch)
+
+    def workspace_floats(self, seqlen_q: int, heads_q: int, batch: int) -> int:
+        return self.workspace_floats_per_row * seqlen_q * heads_q * batch
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    spill_bytes: int
+    stack_bytes: int
+    static_smem: int
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One kernel of a bundle, as its manifest records it."""
+
+    name: str  # == the extern "C" symbol
+    key: str  # KernelKey, e.g. "fwd/bf16/hd128/causal"
+    arch: str  # e.g. "sm90", "sm90a"
+    compute_capability: tuple[int, int]
+    arch_specific: bool
+    fa_version: int
+    spec: dict
+    cubin: str  # path relative to the bundle root (path_problem)
+    source: str
+    sha256: str
+    size: int
+    launch: Launch
+    resources: Resources
+    sass: tuple[str, ...]
+    # Preferred for calls with at most this many keys (fagen.runtime.loader.select); None:
+    # any length. Schema-1 manifests have no such field: every kernel unbounded.
+    max_seqlen_k: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelEntry":
+        return cls(
+            **{
+                **d,
+                "compute_capability": tuple(d["compute_capability"]),
+                "launch": Launch.from_dict(d["launch"]),
+                "resources": Resources(**d["resources"]),
+                "sass": tuple(d["sass"]),
+            }
+        )
+
+
+# ---------------------------------------------------------------------------- C++ mirror
+
+CONTRACT_HEADER = "include/fagen/contract.h"
+
+
+def _cpp_key_expression() -> str:
+    """KEY_FORMAT as a C++ expression over kernel_key()'s parameters."""
+    fields = {"direction": "direction", "dtype": "dtype", "head_dim": "std::to_string(head_dim)",
+              "mask": f'(causal ? "{MASKS[True]}" : "{MASKS[False]}")'}
+    parts = ['std::string()']
+    for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT):
+        if literal:
+            parts.append(f'"{literal}"')
+        if field:
+            parts.append(fields[field])
+    return " + ".join(parts)
+
+
+def render_contract_header() -> str:
+    """contract.h: this module's definitions for fagen.hpp (the same values, one source)."""
+    return "\n".join([
+        "/* Generated by fagen from fagen/contract.py: the contract between build and run. Do not",
+        "   edit; every bundle carries the copy its fagen wrote. */",
+        "#ifndef FAGEN_CONTRACT_H",
+        "#define FAGEN_CONTRACT_H",
+        "",
+        f"#define FAGEN_MAX_HEAD_DIM {MAX_HEAD_DIM}",
+        f"#define FAGEN_HEAD_DIM_MULTIPLE {HEAD_DIM_MULTIPLE}",
+        f"#define FAGEN_ALIGNMENT_BYTES {ALIGNMENT_BYTES}",
+        f"#define FAGEN_STRIDE_MULTIPLE {STRIDE_MULTIPLE}",
+        f"#define FAGEN_MAX_GRID_YZ {MAX_GRID_YZ}",
+        f"#define FAGEN_TMA_BOX_COLUMNS {TMA_BOX_COLUMNS}",
+        f"#define FAGEN_ELEMENT_BYTES {ELEMENT_BYTES}",
+        f"#define FAGEN_LOG2_E {LOG2_E!r}",
+        "/* The smallest scale_log2 a kernel is launched with (softmax_scale 0 -> uniform",
+        "   attention; see fagen/contract.py, kernel_scale_log2). */",
+        f"#define FAGEN_MIN_SCALE_LOG2 {MIN_SCALE_LOG2!r}",
+        "/* FagenKernelInfo.grid (index.h): the shape of a kernel's grid; fagen/contract.py, GRIDS. */",
+        *(f"#define FAGEN_GRID_{name.upper()} {index}" for index, name in enumerate(GRIDS)),
+        "",
+        "#ifdef __cplusplus",
+        "#include <string>",
+        "namespace fagen {",
+        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, True)}\". */",
+        "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
+        "bool causal) {",
+        f"    return {_cpp_key_expression()};",
+        "}",
+        "}  // namespace fagen",
+        "#endif",
+        "",
+        "#endif /* FAGEN_CONTRACT_H */",
+        "",
+    ])

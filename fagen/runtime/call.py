@@ -1,0 +1,215 @@
+"""One attention forward on device pointers, no torch: the Python twin of fagen.hpp's
+``Bundle::attention``.
+
+``prepare`` does everything a launch needs once (the checks of params.h and the contract, the
+kernel choice, the parameter struct, the TMA maps, the grid); the returned ``PreparedAttention``
+launches it for any output address on any stream of the device. ``attention`` is both in one
+call. Tensors are in flash-attn's layout (batch, seqlen, heads, head_dim), given as a device
+address and (batch, row, head) element strides, the last dimension contiguous.
+
+The kernels run in the device's primary context (the one torch and the CUDA runtime use): the
+pointers and the stream must belong to it; the caller's current context is current again
+afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from .. import contract
+from ..abi import FwdParams
+from ..contract import ALIGNMENT_BYTES, MAX_GRID_YZ, STRIDE_MULTIPLE, TMA_BOX_COLUMNS, KernelEntry
+from . import driver
+from .loader import Bundle, LoadedKernel, launch_grid
+
+
+class AttentionError(ValueError):
+    """A call the kernels cannot run as given (sizes, strides, alignment, scale)."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A (batch, seqlen, heads, head_dim) device tensor: its address and element strides."""
+
+    data: int
+    batch_stride: int
+    row_stride: int
+    head_stride: int
+
+    @classmethod
+    def contiguous(cls, data: int, seqlen: int, heads: int, head_dim: int) -> "Tensor":
+        return cls(data, seqlen * heads * head_dim, heads * head_dim, head_dim)
+
+    @property
+    def strides(self) -> tuple[int, int, int]:
+        return (self.batch_stride, self.row_stride, self.head_stride)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of one call: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k,
+    heads_kv, head_dim), out like q, lse (batch, heads_q, seqlen_q) fp32."""
+
+    dtype: str  # "fp16" | "bf16"
+    causal: bool
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+    @property
+    def key(self) -> str:
+        return contract.kernel_key("fwd", self.dtype, self.head_dim, self.causal)
+
+
+def check_problem(problem: Problem) -> None:
+    """The shape rules every kernel shares; raises AttentionError."""
+    if problem.dtype not in contract.DTYPES:
+        raise AttentionError(f"dtype {problem.dtype!r}: fagen kernels take {', '.join(contract.DTYPES)}")
+    sizes = (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.heads_kv)
+    if min(sizes) < 0:
+        raise AttentionError(f"negative size in {problem}")
+    if problem.heads_kv == 0 or problem.heads_q % problem.heads_kv:
+        raise AttentionError(
+            f"nheads_q={problem.heads_q} must be a multiple of nheads_kv={problem.heads_kv}")
+    if found := contract.head_dim_problem(problem.head_dim):
+        raise AttentionError(found)
+
+
+def _check_tensor(name: str, tensor: Tensor, tma: bool) -> None:
+    if tensor.data == 0 or tensor.data % ALIGNMENT_BYTES:
+        raise AttentionError(f"{name} must be a non-null, {ALIGNMENT_BYTES}-byte aligned device pointer")
+    for stride in tensor.strides:
+        if stride % STRIDE_MULTIPLE or stride < 0 or (tma and stride == 0):
+            raise AttentionError(
+                f"{name} strides {tensor.strides} must be multiples of {STRIDE_MULTIPLE} elements"
+                + (" and non-zero (TMA kernel)" if tma else ""))
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode_tensor_map(*arguments) -> bytes:
+    """driver.encode_tiled_tensor_map, remembered: a map depends only on its arguments, and a
+    caching allocator hands the same addresses back for same-shaped tensors, so repeated shapes
+    skip the driver call."""
+    return driver.encode_tiled_tensor_map(*arguments)
+
+
+def _tensor_map(dtype: str, tensor: Tensor, seqlen: int, heads: int, batch: int, head_dim: int,
+                box_rows: int) -> bytes:
+    element = contract.ELEMENT_BYTES
+    return _encode_tensor_map(
+        dtype, tensor.data, (head_dim, seqlen, heads, batch),
+        (tensor.row_stride * element, tensor.head_stride * element, tensor.batch_stride * element),
+        (TMA_BOX_COLUMNS, box_rows, 1, 1),
+    )
+
+
+def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> ctypes.Array:
+    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch), boxes of
+    launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
+    p = problem
+    blob = b"".join((
+        _tensor_map(p.dtype, q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
+        _tensor_map(p.dtype, k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, v, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+    ))
+    return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+
+
+def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+               scale_log2: float) -> FwdParams:
+    """FagenFwdParams with o = lse = 0 (the launch fills them); lse is (batch, heads_q,
+    seqlen_q) contiguous."""
+    p = problem
+    return FwdParams(
+        q=q.data, k=k.data, v=v.data, o=0, lse=0,
+        q_batch_stride=q.batch_stride, q_row_stride=q.row_stride, q_head_stride=q.head_stride,
+        k_batch_stride=k.batch_stride, k_row_stride=k.row_stride, k_head_stride=k.head_stride,
+        v_batch_stride=v.batch_stride, v_row_stride=v.row_stride, v_head_stride=v.head_stride,
+        o_batch_stride=out.batch_stride, o_row_stride=out.row_stride, o_head_stride=out.head_stride,
+        lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
+        batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
+        seqlen_k=p.seqlen_k, scale_log2=scale_log2,
+    )
+
+
+@dataclass(frozen=True)
+class PreparedAttention:
+    """A checked, selected and parameterised launch; ``launch`` adds the output addresses."""
+
+    kernel: LoadedKernel
+    grid: tuple[int, int, int]
+    params: bytes  # FagenFwdParams with o = lse = 0
+    extra_params: tuple  # FagenTmaMaps of TMA kernels
+    device: int
+    workspace_bytes: int  # fp32 scratch the kernel needs (FA1); 0: none
+
+    def enqueue(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
+        """launch() for a caller that made the device's primary context current."""
+        params = FwdParams.from_buffer_copy(self.params)
+        params.o, params.lse = out, lse
+        extra = self.extra_params
+        if self.workspace_bytes:
+            if not workspace:
+                raise AttentionError(f"kernel {self.kernel.entry.name} needs a workspace of "
+                                     f"{self.workspace_bytes} bytes")
+            extra = (*extra, ctypes.c_void_p(workspace))
+        self.kernel.enqueue(params, self.grid, stream, self.device, extra)
+
+    def launch(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
+        """Enqueue on `stream` with the output at `out` (strides as prepared) and the LSE at
+        `lse` (0: not written); `workspace`: a device buffer of workspace_bytes."""
+        with driver.primary_context(self.device):
+            self.enqueue(out, lse, stream, workspace)
+
+
+def select(bundle: Bundle, problem: Problem, device: int = 0,
+           fa_version: int | None = None) -> KernelEntry:
+    """The kernel `problem` runs on the device: the newest algorithm (or `fa_version`), the
+    closest build, the best seqlen_k bound (fagen.runtime.loader.select)."""
+    return bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k,
+                         fa_version=fa_version)
+
+
+def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            softmax_scale: float | None = None, device: int = 0,
+            entry: KernelEntry | None = None) -> PreparedAttention:
+    """Check the call, pick its kernel for the device (select(), unless `entry` names one of the
+    bundle's kernels) and build everything its launches need. Raises AttentionError for a call
+    the kernels cannot run, KernelNotFound when the bundle has no kernel for it, ScaleError for
+    a softmax_scale they cannot answer."""
+    check_problem(problem)
+    if problem.seqlen_k == 0:
+        raise AttentionError("need seqlen_k >= 1: without keys every row's result is O = 0 and "
+                             "LSE = -inf, which the caller writes")
+    scale_log2 = contract.kernel_scale_log2(softmax_scale, problem.head_dim)
+    entry = entry or select(bundle, problem, device)
+    grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device)
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
+                             f"at most {MAX_GRID_YZ} (CUDA grid limit)")
+    tma = entry.launch.tma_q_rows > 0
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, tensor, tma)
+    _check_tensor("out", out, False)
+    extra = (tma_maps(problem, q, k, v, entry.launch),) if tma else ()
+    workspace = 4 * entry.launch.workspace_floats(problem.seqlen_q, problem.heads_q, problem.batch)
+    return PreparedAttention(bundle.kernel(entry), grid,
+                             bytes(fwd_params(problem, q, k, v, out, scale_log2)), extra, device,
+                             workspace)
+
+
+def attention(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+              lse: int = 0, *, softmax_scale: float | None = None, stream: int = 0,
+              device: int = 0, workspace: int = 0) -> None:
+    """prepare() and launch() in one call, asynchronous on `stream`; a call without any output
+    element launches nothing. Rows that see no key get 0 and LSE -inf."""
+    if problem.batch * problem.seqlen_q * problem.heads_q == 0:
+        check_problem(problem)
+        return
+    prepare(bundle, problem, q, k, v, out, softmax_scale, device).launch(out.data, lse, stream,
+                                                                         workspace)

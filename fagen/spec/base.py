@@ -1,0 +1,284 @@
+"""What every kernel spec shares; each algorithm (fa1.py ... fa4.py) subclasses it.
+
+A spec is one frozen, validated description of a kernel variant: the fields every kernel has
+(fa_version, arch, direction, dtype, head_dim, causal, max_seqlen_k) and a `tile`, which is the
+algorithm's own model. Each algorithm's spec class owns its tile model, its geometry (derived
+constants and the limits it checks: shared memory, registers, TMEM), the constexprs its template
+receives and its launch description; `KernelSpec.model_validate(fields)` picks the class by
+(fa_version, direction) (algorithms.py).
+
+Naming: the kernel symbol and its hash come from the canonical JSON of the spec, so they change
+only when the kernel does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
+
+from .. import contract
+from .arch import ARCHS, Arch
+
+
+@dataclass(frozen=True)
+class Constexpr:
+    """One `static constexpr` of a template's Config."""
+
+    name: str
+    value: bool | int | float
+
+    @property
+    def c_type(self) -> str:
+        return {bool: "bool", int: "int", float: "float"}[type(self.value)]
+
+    @property
+    def c_value(self) -> str:
+        if isinstance(self.value, bool):
+            return "true" if self.value else "false"
+        return f"{self.value!r}f" if isinstance(self.value, float) else str(self.value)
+
+
+class TileBase(BaseModel):
+    """An algorithm's tile. Subclasses declare their fields and, in SUFFIXES, how the options
+    among them (and their STRUCTURE) spell in the kernel name, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ALGORITHM: ClassVar[str] = ""  # e.g. "fa3 fwd", for messages
+    # (field or structure name, name suffix), in name order.
+    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # What every kernel of the algorithm does, as it appears in the canonical JSON (and so in
+    # the names and hashes of kernels built while it was an option). Accepted on input only with
+    # this value.
+    STRUCTURE: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_structure(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.STRUCTURE:
+            return data
+        data = dict(data)
+        for name, value in cls.STRUCTURE.items():
+            if name in data:
+                if data.pop(name) != value:
+                    raise ValueError(f"tile.{name}: every {cls.ALGORITHM} kernel has "
+                                     f"{name}={value} (it is the kernel's structure, not an option)")
+        return data
+
+    @model_serializer(mode="wrap")
+    def _canonical(self, handler):
+        """Options at their defaults are left out of the dump, so adding an option changes no
+        kernel's name; the structure goes in."""
+        data = handler(self)
+        options = {name for name, _ in self.SUFFIXES} - set(self.STRUCTURE)
+        data = {k: v for k, v in data.items()
+                if not (k in options and v == type(self).model_fields[k].default)}
+        return {**data, **self.STRUCTURE}
+
+    def _suffix(self, name: str) -> str | None:
+        suffix = dict(self.SUFFIXES)[name]
+        if name in self.STRUCTURE:
+            return suffix
+        value = getattr(self, name)
+        if value is None or value is False:
+            return None
+        return suffix if value is True else self._valued_suffix(name, value, suffix)
+
+    def _valued_suffix(self, name: str, value: Any, suffix: str) -> str:
+        return f"{suffix}{value:g}".replace(".", "p")
+
+    @property
+    def sizes(self) -> str:
+        """The tile's sizes in the kernel name, e.g. m128n64w4s2."""
+        return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
+
+    @property
+    def short(self) -> str:
+        suffixes = (self._suffix(name) for name, _ in self.SUFFIXES)
+        return self.sizes + "".join(f"_{s}" for s in suffixes if s is not None)
+
+
+class SoftmaxTricksTile(TileBase):
+    """The two softmax options of algo/online_softmax.cuh: shipped by FA4 (Blackwell's MUFU is
+    its bottleneck), kept on FA2 where the GPU tests run them on Hopper."""
+
+    exp2_emulation: float | None = Field(
+        None, description="fraction 1/k of the softmax exponentials computed by a "
+        "polynomial on the FMA pipe (every k-th column pair); omit for hardware exp2 only")
+    rescale_threshold: float | None = Field(
+        None, ge=0, description="rescale O and l only when the row maximum grows by "
+        "more than this (base 2, scaled scores; FA4 uses 8 = log2 256); omit to always rescale")
+
+    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("exp2_emulation", "e2p"), ("rescale_threshold", "rt"))
+
+    @field_validator("exp2_emulation")
+    @classmethod
+    def _check_exp2_emulation(cls, value: float | None) -> float | None:
+        if value is not None and not (0 < value <= 1 and abs(1 / value - round(1 / value)) < 1e-6):
+            raise ValueError(f"exp2_emulation={value}: must be 1/k for a whole k >= 1 (every k-th "
+                             "column pair uses the polynomial); omit it for hardware exp2 only")
+        return value
+
+    @property
+    def exp2_emulation_period(self) -> int:
+        """k of `exp2_emulation` = 1/k; 0 when every exponential uses the hardware unit."""
+        return 0 if self.exp2_emulation is None else round(1 / self.exp2_emulation)
+
+    def _valued_suffix(self, name: str, value: Any, suffix: str) -> str:
+        if name == "exp2_emulation":
+            return f"{suffix}{self.exp2_emulation_period}"
+        return super()._valued_suffix(name, value, suffix)
+
+    def softmax_constexprs(self) -> list[Constexpr]:
+        """The Config names algo/online_softmax.cuh reads."""
+        return [
+            Constexpr("kExp2EmulationPeriod", self.exp2_emulation_period),
+            Constexpr("kConditionalRescale", self.rescale_threshold is not None),
+            Constexpr("kRescaleThreshold", float(self.rescale_threshold or 0.0)),
+        ]
+
+
+class KernelSpec(BaseModel):
+    """One kernel variant. Subclassed per algorithm; `KernelSpec.model_validate(fields)` returns
+    the algorithm's subclass. `tile: auto` (or no tile) resolves through the tuning table."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Per algorithm (subclasses): the template, the targets, the SASS every cubin must contain.
+    FA_VERSION: ClassVar[int]
+    DIRECTION: ClassVar[str]
+    TEMPLATE: ClassVar[str]  # path under templates/kernels/
+    ARCHS: ClassVar[tuple[Arch, ...]]
+    WHY_ARCHS: ClassVar[str]
+    REQUIRED_SASS: ClassVar[tuple[str, ...]]
+
+    fa_version: int
+    arch: Arch
+    direction: Literal["fwd", "bwd"] = "fwd"
+    dtype: Literal["fp16", "bf16"]
+    head_dim: int
+    causal: bool = False
+    tile: TileBase
+    max_seqlen_k: int | None = Field(
+        None, gt=0, description="the runtime prefers this kernel for calls with at most this "
+        "many keys (the smallest covering bound of a key wins; unbounded kernels serve the "
+        "rest); omit for a kernel that serves any length")
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs) -> "KernelSpec":
+        """Validate `obj`; called on KernelSpec itself, as the algorithm's subclass."""
+        if cls is KernelSpec:
+            from .algorithms import spec_class
+
+            return spec_class(obj).model_validate(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
+    @model_serializer(mode="wrap")
+    def _omit_unbounded(self, handler):
+        """An unbounded kernel dumps as before the field existed: same JSON, hash and name."""
+        data = handler(self)
+        if data.get("max_seqlen_k") is None:
+            data.pop("max_seqlen_k", None)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto_tile(cls, data: Any) -> Any:
+        from .tuning import resolve_tile
+
+        if cls is KernelSpec:
+            raise TypeError("KernelSpec(...) is the base of the algorithms' specs: use "
+                            "KernelSpec.model_validate(fields), which picks the algorithm")
+        if not isinstance(data, dict) or data.get("tile", "auto") != "auto":
+            return data
+        try:
+            arch, head_dim = Arch(data["arch"]), int(data["head_dim"])
+            causal = bool(data.get("causal", False))
+        except (KeyError, ValueError, TypeError, OverflowError):
+            return data  # a field missing or malformed: field validation names it
+        # A field's own limit comes first: the tuning table's "give the tile explicitly" would
+        # mislead where no tile can work.
+        if problem := contract.head_dim_problem(head_dim):
+            raise ValueError(problem)
+        cls._check_arch(arch)
+        tile = resolve_tile(cls, arch, head_dim, causal, data.get("max_seqlen_k"))
+        return {**data, "tile": tile.model_dump()}
+
+    @field_validator("head_dim")
+    @classmethod
+    def _check_head_dim(cls, value: int) -> int:
+        if problem := contract.head_dim_problem(value):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("arch")
+    @classmethod
+    def _check_arch(cls, value: Arch) -> Arch:
+        if value not in cls.ARCHS:
+            raise ValueError(
+                f"arch={value.value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} runs on "
+                f"{', '.join(a.value for a in cls.ARCHS)} only ({cls.WHY_ARCHS})")
+        return value
+
+    @model_validator(mode="after")
+    def _check_geometry(self) -> "KernelSpec":
+        problems = self.geometry.problems(ARCHS[self.arch].max_smem_per_block)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # ---- per algorithm ----
+
+    @property
+    def geometry(self):
+        """The algorithm's derived constants and limits for this head_dim and tile."""
+        raise NotImplementedError
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        """The constexprs of the algorithm's template beyond the common ones."""
+        raise NotImplementedError
+
+    def launch(self) -> contract.Launch:
+        raise NotImplementedError
+
+    # ---- shared ----
+
+    def constexprs(self) -> list[Constexpr]:
+        """Everything the template's Config declares (codegen renders them in this order)."""
+        return [
+            Constexpr("kIsBf16", self.dtype == "bf16"),
+            Constexpr("kCausal", self.causal),
+            Constexpr("kHeadDim", self.head_dim),
+            *self.algorithm_constexprs(),
+        ]
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def short_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:8]
+
+    @property
+    def mask_name(self) -> str:
+        return contract.MASKS[self.causal]
+
+    @property
+    def name(self) -> str:
+        """The kernel symbol: unmangled, `extern "C"`, unique per canonical spec."""
+        bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
+        return (
+            f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
+            f"hd{self.head_dim}_{self.mask_name}_{self.tile.short}{bound}_{self.short_hash}"
+        )
+
+    @property
+    def lookup_key(self) -> str:
+        """What a caller asks for (architecture aside): the runtime matches this exactly."""
+        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.causal)

@@ -1,0 +1,129 @@
+"""FA1 forward (mma.sync, sm80+): the seeds' algorithm, for the lineage bundle.
+
+FlashAttention-1's loop order (key/value blocks outer, query blocks inner), O rescaled and
+normalised after every key block and kept with the row statistics in an fp32 workspace between
+key blocks, one CTA per (head, batch): templates/include/fagen/fa1/forward.cuh says which parts
+are FA1's and which are GPU practice. Not in the default bundle; specs/lineage.yaml builds it
+beside FA2 and FA3 so that `fagen bench --lineage` can show what each generation bought.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from .. import contract
+from .arch import MAX_REGISTERS_PER_THREAD, Arch
+from .base import Constexpr, KernelSpec, TileBase
+from .fa2 import MMA_K, REGISTER_OVERHEAD, VECTOR_BYTES
+from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+
+WARP_ROWS = 16  # one m16 tile per warp: the inner loop visits every query block of the head
+WARP_CHOICES = (2, 4, 8)
+# Per query row between key blocks: O (head_dim floats) and the running (max, sum).
+STATE_FLOATS_PER_ROW = 2
+
+
+class Fa1Tile(TileBase):
+    ALGORITHM: ClassVar[str] = "fa1 fwd"
+
+    block_m: int = Field(gt=0, description="query rows per inner-loop step (16 per warp)")
+    block_n: int = Field(gt=0, description="keys per outer-loop step (one K and one V tile)")
+    warps: int = Field(gt=0, description="warps per CTA")
+
+    @property
+    def sizes(self) -> str:
+        return f"m{self.block_m}n{self.block_n}w{self.warps}"
+
+
+@dataclass(frozen=True)
+class Fa1Geometry(TileGeometry):
+    """stages is 1: one K and one V buffer, loaded once per outer step; the inner loop over every
+    query block of the head hides that load."""
+
+    @property
+    def row_pitch_bytes(self) -> int:
+        # As FA2 (fa2.Fa2Geometry.row_pitch_bytes): an odd number of 16-byte vectors per row.
+        return self.head_dim * ELEMENT_BYTES + VECTOR_BYTES
+
+    @property
+    def smem_q_bytes(self) -> int:
+        """One Q buffer; there are two (the next query block loads while this one computes)."""
+        return self.block_m * self.row_pitch_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * self.smem_q_bytes + 2 * self.block_n * self.row_pitch_bytes
+
+    @property
+    def workspace_floats_per_row(self) -> int:
+        return self.head_dim + STATE_FLOATS_PER_ROW
+
+    @property
+    def estimated_registers(self) -> int:
+        return WARP_ROWS * (self.head_dim + self.block_n) // 32 + REGISTER_OVERHEAD
+
+    def problems(self, max_smem: int) -> list[str]:
+        out: list[str] = []
+        if self.head_dim % MMA_K:
+            out.append(f"head_dim={self.head_dim}: the FA1 template needs a multiple of {MMA_K} "
+                       "(mma.sync k-step and ldmatrix pairs)")
+        if self.warps not in WARP_CHOICES:
+            out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
+        elif self.block_m != WARP_ROWS * self.warps:
+            out.append(f"tile.block_m={self.block_m}: must be {WARP_ROWS} x warps = "
+                       f"{WARP_ROWS * self.warps}")
+        if self.block_n % MMA_K or not (MMA_K <= self.block_n <= 256):
+            out.append(f"tile.block_n={self.block_n}: must be a multiple of {MMA_K} in [16, 256]")
+        if out:
+            return out
+        out.extend(smem_limit_problems(self, max_smem))
+        if self.estimated_registers > MAX_REGISTERS_PER_THREAD:
+            out.append(f"tile (block_n={self.block_n}) needs about {self.estimated_registers} "
+                       f"registers per thread at head_dim={self.head_dim}; the limit is "
+                       f"{MAX_REGISTERS_PER_THREAD}")
+        return out
+
+
+class Fa1ForwardSpec(KernelSpec):
+    FA_VERSION: ClassVar[int] = 1
+    DIRECTION: ClassVar[str] = "fwd"
+    TEMPLATE: ClassVar[str] = "fa1_fwd_sm80.cu.j2"
+    ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm80, Arch.sm86, Arch.sm89, Arch.sm90, Arch.sm100a,
+                                         Arch.sm120)
+    WHY_ARCHS: ClassVar[str] = ("mma.sync m16n8k16, ldmatrix and cp.async exist from sm80 on; "
+                                "Hopper takes the plain sm90 build")
+    REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HMMA", "LDSM", "LDGSTS")
+
+    fa_version: Literal[1]
+    direction: Literal["fwd"] = "fwd"
+    tile: Fa1Tile
+
+    @staticmethod
+    def geometry_of(head_dim: int, tile: Fa1Tile) -> Fa1Geometry:
+        return Fa1Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, 1)
+
+    @property
+    def geometry(self) -> Fa1Geometry:
+        return self.geometry_of(self.head_dim, self.tile)
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        g = self.geometry
+        return [
+            Constexpr("kBlockM", g.block_m),
+            Constexpr("kBlockN", g.block_n),
+            Constexpr("kWarps", g.warps),
+            Constexpr("kThreads", g.threads),
+            Constexpr("kWarpRows", WARP_ROWS),
+            Constexpr("kRowPitchBytes", g.row_pitch_bytes),
+            Constexpr("kSmemQBytes", g.smem_q_bytes),
+            Constexpr("kSmemBytes", g.smem_bytes),
+            Constexpr("kWorkspaceFloatsPerRow", g.workspace_floats_per_row),
+        ]
+
+    def launch(self) -> contract.Launch:
+        g = self.geometry
+        return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes,
+                               grid="heads", workspace_floats_per_row=g.workspace_floats_per_row)

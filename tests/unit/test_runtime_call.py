@@ -1,0 +1,159 @@
+"""fagen.runtime.call without a GPU: the torch-free attention call checks, selects, fills the
+parameters and the TMA maps, and launches through the (fake) driver."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import pytest
+
+from fagen import abi
+from fagen.runtime import AttentionError, KernelNotFound, Problem, ScaleError, Tensor, load, prepare
+from fagen.runtime import call, driver
+
+from test_runtime_cpu import FakeDriver, kernel_entry, write_bundle  # noqa: E402 (tests/unit is on sys.path)
+
+KEY = "fwd/bf16/hd128/causal"
+PROBLEM = Problem("bf16", True, batch=2, seqlen_q=300, seqlen_k=500, heads_q=4, heads_kv=1, head_dim=128)
+
+
+def _tensor(address: int, seqlen: int, heads: int) -> Tensor:
+    return Tensor.contiguous(address, seqlen, heads, 128)
+
+
+Q, K, V, OUT = (_tensor(0x10000, 300, 4), _tensor(0x20000, 500, 1), _tensor(0x30000, 500, 1),
+                _tensor(0x40000, 300, 4))
+
+
+class CallDriver(FakeDriver):
+    """FakeDriver with a compute capability 9.0 device of 132 SMs."""
+
+    def cuDeviceGetAttribute(self, attribute, device):
+        attrs = self._real.CUdevice_attribute
+        value = {attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+                 attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+                 attrs.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132}[attribute]
+        return self._ok("cuDeviceGetAttribute", value)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = CallDriver(driver.cu, current_context=0x1000, context_device=0)
+    monkeypatch.setattr(driver, "cu", fake)
+    monkeypatch.setattr(driver, "_initialized", False)
+    monkeypatch.setattr(driver, "_primary_contexts", {})
+    driver.compute_capability.cache_clear()
+    driver.multiprocessor_count.cache_clear()
+    maps = []
+
+    def encode(dtype, address, dims, byte_strides, box):
+        maps.append((dtype, address, dims, byte_strides, box))
+        return bytes([len(maps)]) * 128
+
+    monkeypatch.setattr(driver, "encode_tiled_tensor_map", encode)
+    call._encode_tensor_map.cache_clear()
+    fake.maps = maps
+    yield fake
+    driver.compute_capability.cache_clear()
+    driver.multiprocessor_count.cache_clear()
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    fa2 = kernel_entry("sm90", KEY)
+    fa3 = kernel_entry("sm90a", KEY, fa_version=3)
+    fa3["launch"] = {**fa3["launch"], "grid": "persistent", "tma_q_rows": 128, "tma_kv_rows": 176}
+    fa1 = kernel_entry("sm90", KEY, fa_version=1)
+    fa1["launch"] = {**fa1["launch"], "block_m": 64, "grid": "heads", "workspace_floats_per_row": 130}
+    return load(write_bundle(tmp_path / "b", [fa2, fa3, fa1]))
+
+
+def test_prepare_picks_the_newest_kernel_and_fills_its_parameters(bundle, fake):
+    prepared = prepare(bundle, PROBLEM, Q, K, V, OUT, softmax_scale=0.125)
+    assert prepared.kernel.entry.fa_version == 3
+    assert prepared.grid == (24, 1, 1)  # persistent: min(3 query blocks x 4 heads x 2, 132 SMs)
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.q, p.k, p.v, p.o, p.lse) == (0x10000, 0x20000, 0x30000, None, None)  # the launch fills o, lse
+    assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (300 * 4 * 128, 4 * 128, 128)
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (500 * 128, 128, 128)
+    assert (p.lse_batch_stride, p.lse_head_stride) == (4 * 300, 300)
+    assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k) == (2, 4, 1, 300, 500)
+    assert abs(p.scale_log2 - 0.125 * 1.4426950408889634) < 1e-7
+    # Maps over (head_dim, seqlen, heads, batch), byte strides of rows, heads, batches.
+    assert fake.maps[0] == ("bf16", 0x10000, (128, 300, 4, 2), (1024, 256, 300 * 1024), (64, 128, 1, 1))
+    assert fake.maps[1] == ("bf16", 0x20000, (128, 500, 1, 2), (256, 256, 500 * 256), (64, 176, 1, 1))
+    assert bytes(prepared.extra_params[0]) == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128
+
+
+def test_launch_fills_the_outputs_on_the_stream(bundle, fake):
+    prepared = prepare(bundle, PROBLEM, Q, K, V, OUT)
+    prepared.launch(out=0x40000, lse=0x50000, stream=0xABC)
+    (launch,) = fake.launches
+    assert (launch["params"].o, launch["params"].lse, launch["stream"]) == (0x40000, 0x50000, 0xABC)
+    assert launch["grid"] == (24, 1, 1) and launch["context"] == 0x1000
+
+
+def test_a_chosen_algorithm_and_its_workspace(bundle, fake):
+    entry = call.select(bundle, PROBLEM, fa_version=1)
+    prepared = prepare(bundle, PROBLEM, Q, K, V, OUT, entry=entry)
+    assert prepared.grid == (4, 2, 1)  # (heads_q, batch): one CTA per head
+    assert prepared.workspace_bytes == 4 * 130 * 300 * 4 * 2
+    with pytest.raises(AttentionError, match=f"needs a workspace of {prepared.workspace_bytes} bytes"):
+        prepared.launch(0x40000, 0, 0)
+    seen = []
+    real = fake.cuLaunchKernelEx
+
+    def launch(config, kernel, params, extra):
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append(ctypes.c_void_p.from_address(pointers[1]).value)
+        return real(config, kernel, params, extra)
+
+    fake.cuLaunchKernelEx = launch
+    prepared.launch(0x40000, 0, 0, workspace=0x60000)
+    assert seen == [0x60000]  # the workspace pointer is the kernel's second parameter
+    with pytest.raises(KernelNotFound, match="asked for fa_version=4"):
+        call.select(bundle, PROBLEM, fa_version=4)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=Tensor(0x10008, 300 * 512, 512, 128)), "q must be a non-null, 16-byte aligned"),
+    (dict(k=Tensor(0x20000, 500 * 128, 132, 128)), r"k strides \(64000, 132, 128\) must be multiples of 8"),
+    (dict(v=Tensor(0x30000, 0, 128, 128)), "non-zero \\(TMA kernel\\)"),
+    (dict(out=Tensor(0, 1, 1, 1)), "out must be a non-null"),
+])
+def test_tensors_the_kernels_cannot_read_are_refused(bundle, fake, change, match):
+    args = {"q": Q, "k": K, "v": V, "out": OUT, **change}
+    with pytest.raises(AttentionError, match=match):
+        prepare(bundle, PROBLEM, **args)
+
+
+@pytest.mark.parametrize("problem, error, match", [
+    (Problem("fp32", True, 2, 300, 500, 4, 1, 128), AttentionError, "dtype 'fp32'"),
+    (Problem("bf16", True, 2, 300, 500, 4, 3, 128), AttentionError, "multiple of nheads_kv=3"),
+    (Problem("bf16", True, 2, 300, 500, 4, 1, 100), AttentionError, "head_dim=100"),
+    (Problem("bf16", True, 2, 300, 0, 4, 1, 128), AttentionError, "need seqlen_k >= 1"),
+    (Problem("bf16", True, 70000, 300, 500, 4, 1, 128), AttentionError, "CUDA grid limit"),
+    (Problem("bf16", False, 2, 300, 500, 4, 1, 128), KernelNotFound, "fwd/bf16/hd128/full"),
+])
+def test_calls_the_kernels_cannot_run_are_refused(bundle, fake, problem, error, match):
+    with pytest.raises(error, match=match):
+        prepare(bundle, problem, Q, K, V, OUT, entry=call.select(bundle, PROBLEM, fa_version=2)
+                if error is AttentionError and "grid" in match else None)
+
+
+def test_the_scale_rule_is_the_contracts(bundle, fake):
+    with pytest.raises(ScaleError, match="must be >= 0"):
+        prepare(bundle, PROBLEM, Q, K, V, OUT, softmax_scale=-1.0)
+
+
+def test_an_empty_output_launches_nothing(bundle, fake):
+    call.attention(bundle, Problem("bf16", True, 0, 300, 500, 4, 1, 128), Q, K, V, OUT)
+    assert fake.launches == []
+
+
+def test_the_runtime_call_imports_no_torch():
+    code = "import sys, fagen.runtime; print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
