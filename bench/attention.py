@@ -6,10 +6,13 @@ causal), median time of triton.testing.do_bench(warmup=25, rep=100).
 
     python -m bench.attention [--seqlens 512,1024,...] [--head-dims 64,128,256]
                               [--causal both|yes|no] [--json PATH] [--png PATH] [--bundle DIR]
-                              [--baseline DIR] [--repeats N] [--lineage]
+                              [--baseline DIR | --deterministic-baseline] [--repeats N]
+                              [--direction fwd|bwd|fwdbwd] [--lineage]
 
 --baseline times a second bundle's kernels in the same rows (column "base"): a before/after
 comparison of a kernel change within one run, since absolute numbers drift between runs.
+--deterministic-baseline makes "base" the same bundle with deterministic=True (the cost of a
+bitwise-reproducible backward).
 --repeats N times every contender N times per row, in rounds whose order rotates (fagen first
 in one round, cuDNN first in the next, ...), and reports the median of the N medians; the
 table's last column is the range of the per-round fagen/cuDNN ratios. One sample of a short
@@ -90,14 +93,35 @@ def sdpa(q, k, v, causal):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
 
 
-def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=None, repeats: int = 1) -> dict:
+# FLOPs of each direction in units of the forward's (shared/BENCHMARKS.md: backward 2.5x).
+DIRECTION_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+
+def _timed(direction: str, attention, q, k, v, dout, backend):
+    """The function timed for `direction`: the forward; the backward of one forward (kept, so
+    that only the gradients are timed: torch.autograd.grad leaves no .grad to accumulate); or
+    forward and backward together."""
+    if direction == "fwd":
+        return lambda: attention(q, k, v)
+    if direction == "fwdbwd":
+        return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        out = attention(q, k, v)
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=None, repeats: int = 1,
+                  direction: str = "fwd", deterministic_baseline: bool = False) -> dict:
     batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
     q, k, v = (
-        torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+        torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=direction != "fwd")
+        for _ in range(3)
     )
-    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+    dout = torch.randn_like(q)
+    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal) * DIRECTION_FLOPS[direction]
     row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "nheads": heads,
-           "tflops": {}, "ms": {}, "samples_ms": {}, "errors": {}}
+           "direction": direction, "tflops": {}, "ms": {}, "samples_ms": {}, "errors": {}}
 
     reference = None
     try:
@@ -109,17 +133,37 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
         out = flash_attn_func(q, k, v, causal=causal, bundle=bundle)
         if reference is not None:
             row["max_abs_diff_vs_FA2"] = (out.float() - reference.float()).abs().max().item()
+        if direction != "fwd" and reference is not None:
+            ours = torch.autograd.grad(out, (q, k, v), dout)
+            with sdpa_kernel(PEERS["FA2"]):
+                theirs = torch.autograd.grad(sdpa(q, k, v, causal).transpose(1, 2), (q, k, v), dout)
+            row["max_abs_grad_diff_vs_FA2"] = max(
+                (a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs))
     except (RuntimeError, KernelNotFound) as exc:
         row["errors"]["fagen"] = str(exc).splitlines()[0]
 
+    def fagen_attention(target, deterministic=False):
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, bundle=target,
+                                               deterministic=deterministic)
+
+    def sdpa_attention(q, k, v):
+        return sdpa(q, k, v, causal).transpose(1, 2)  # the flash-attn layout, like dout
+
     # name -> (function timed, context it is timed in: the SDPA backend for the peers)
     contenders = {}
-    if "fagen" not in row["errors"]:
-        contenders["fagen"] = (lambda: flash_attn_func(q, k, v, causal=causal, bundle=bundle), None)
-    if baseline is not None:
-        contenders["base"] = (lambda: flash_attn_func(q, k, v, causal=causal, bundle=baseline), None)
+    try:
+        if "fagen" not in row["errors"]:
+            contenders["fagen"] = (_timed(direction, fagen_attention(bundle), q, k, v, dout, None), None)
+        if baseline is not None or deterministic_baseline:
+            base = fagen_attention(bundle if deterministic_baseline else baseline, deterministic_baseline)
+            contenders["base"] = (_timed(direction, base, q, k, v, dout, None), None)
+    except (RuntimeError, KernelNotFound) as exc:
+        row["errors"]["fagen"] = str(exc).splitlines()[0]
     for name, backend in PEERS.items():
-        contenders[name] = (lambda: sdpa(q, k, v, causal), backend)
+        try:
+            contenders[name] = (_timed(direction, sdpa_attention, q, k, v, dout, backend), backend)
+        except RuntimeError as exc:
+            row["errors"][name] = str(exc).splitlines()[0]
     names = list(contenders)
     for round_index in range(repeats):
         shift = round_index % len(names)
@@ -159,7 +203,8 @@ def format_table(rows: list[dict]) -> str:
     header = (f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'fagen':>7} {'FA2':>7} {'cuDNN':>7} "
               f"{'f/FA2':>6} {'f/cuDNN':>7} {'maxdiff':>8}" + (f" {'base':>7} {'f/base':>6}" if with_base else "")
               + (f" {'f/cuDNN range':>13}" if with_range else ""))
-    lines = ["forward TFLOP/s (bf16, 16k tokens, hidden 2048)", header, "-" * len(header)]
+    what = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward + backward"}[rows[0].get("direction", "fwd")] if rows else "forward"
+    lines = [f"{what} TFLOP/s (bf16, 16k tokens, hidden 2048)", header, "-" * len(header)]
     for row in rows:
         t = row["tflops"]
         fagen_t, fa2, cudnn, base = t.get("fagen"), t.get("FA2"), t.get("cuDNN"), t.get("base")
@@ -218,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--bundle", default=None, help="bundle directory (default: $FAGEN_BUNDLE, then fagen's default)")
     parser.add_argument("--baseline", default=None, help="a second bundle timed in the same rows")
+    parser.add_argument("--deterministic-baseline", action="store_true",
+                        help='"base" is the same bundle with deterministic=True')
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per row, contenders in rotating order; medians reported")
     parser.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON here")
     parser.add_argument("--png", dest="png_path", default=None, help="plot here (needs matplotlib)")
     parser.add_argument("--table", dest="table_path", default=None, help="also write the table here")
+    parser.add_argument("--direction", choices=tuple(DIRECTION_FLOPS), default="fwd",
+                        help="fwd, bwd (the backward of one kept forward; FLOPs 2.5x) or fwdbwd")
     parser.add_argument("--lineage", action="store_true",
                         help="FA1 -> FA2 -> FA3 of one bundle (default: generated/lineage, built "
                         "from specs/lineage.yaml) instead of fagen against the peers "
@@ -230,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.baseline and args.deterministic_baseline:
+        parser.error("--baseline and --deterministic-baseline both name the 'base' column")
     if args.lineage:
         from bench import lineage
 
@@ -247,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     for head_dim in args.head_dims:
         for causal in causal_values:
             for seqlen in args.seqlens:
-                row = measure_shape(head_dim, causal, seqlen, bundle, baseline, args.repeats)
+                row = measure_shape(head_dim, causal, seqlen, bundle, baseline, args.repeats,
+                                    args.direction, args.deterministic_baseline)
                 rows.append(row)
                 print(f"measured hd{head_dim} {'causal' if causal else 'full'} s{seqlen}: "
                       + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()), flush=True)
@@ -258,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "fagen": fagen.__version__, "bundle": str(bundle.path),
-            "baseline": str(baseline.path) if baseline else None, "python": platform.python_version(),
+            "baseline": (str(baseline.path) if baseline
+                         else "deterministic" if args.deterministic_baseline else None),
+            "python": platform.python_version(),
             "timer": timer_name(), "repeats": args.repeats,
         }
         with open(args.json_path, "w") as f:

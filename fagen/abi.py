@@ -43,13 +43,47 @@ class FwdParams(ctypes.Structure):
     ]
 
 
-C_STRUCT_NAME = "FagenFwdParams"
+def _strides(*tensors: str) -> list[tuple[str, type]]:
+    return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
 
 
-def field_offsets() -> dict[str, int]:
+class BwdParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("dout", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p),
+        ("dk", ctypes.c_void_p),
+        ("dv", ctypes.c_void_p),
+        ("dq_accum", ctypes.c_void_p),
+        ("softmax_d", ctypes.c_void_p),
+        ("lse_log2", ctypes.c_void_p),
+        ("dq_semaphore", ctypes.c_void_p),
+        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+        ("lse_batch_stride", _c_longlong),
+        ("lse_head_stride", _c_longlong),
+        ("batch", ctypes.c_int),
+        ("heads_q", ctypes.c_int),
+        ("heads_kv", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int),
+        ("seqlen_k", ctypes.c_int),
+        ("scale_log2", ctypes.c_float),
+        ("softmax_scale", ctypes.c_float),
+    ]
+
+
+# The C name of each mirrored struct (params.h).
+C_STRUCT_NAMES = {FwdParams: "FagenFwdParams", BwdParams: "FagenBwdParams"}
+C_STRUCT_NAME = C_STRUCT_NAMES[FwdParams]
+
+
+def field_offsets(struct: type[ctypes.Structure] = FwdParams) -> dict[str, int]:
     """Byte offset of every field, in declaration order."""
-    return {name: getattr(FwdParams, name).offset for name, _ in FwdParams._fields_}
+    return {name: getattr(struct, name).offset for name, _ in struct._fields_}
 
 
-def struct_size() -> int:
-    return ctypes.sizeof(FwdParams)
+def struct_size(struct: type[ctypes.Structure] = FwdParams) -> int:
+    return ctypes.sizeof(struct)

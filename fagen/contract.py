@@ -145,7 +145,45 @@ def path_problem(path: object) -> str | None:
 #   tiles:      (ceil(seqlen_q / block_m), heads_q, batch), one query block per CTA
 #   persistent: (min(query blocks * heads_q * batch, SMs), 1, 1), each CTA walks many tiles
 #   heads:      (heads_q, batch, 1), one CTA walks every block of a head (FA1)
-GRIDS = ("tiles", "persistent", "heads")
+#   key_blocks: (ceil(seqlen_k / block_n), heads_kv, batch), one key block per CTA, which walks
+#               every query block of the query heads its K/V head serves (backward)
+GRIDS = ("tiles", "persistent", "heads", "key_blocks")
+
+# Backward kernels: one cubin, three entry points run in this order on one stream. The
+# preprocess kernel (<name>_preprocess) fills the workspace (rowsum(dO * O), LSE in base 2,
+# dQ's accumulator zeroed), the main kernel (<name>) computes dK and dV and accumulates dQ, the
+# conversion (<name>_dq) writes dQ. The first and the last walk the query rows:
+# grid (ceil(seqlen_q / BWD_ROWS_PER_CTA), heads_q, batch), BWD_ROW_THREADS threads, no
+# dynamic shared memory.
+BWD_PREPROCESS_SUFFIX = "_preprocess"
+BWD_CONVERT_SUFFIX = "_dq"
+BWD_ROWS_PER_CTA = 64  # 4 warps, a row each at a time: 16 rows per warp
+BWD_ROW_THREADS = 128
+
+
+def bwd_row_grid(seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
+    return (-(-seqlen_q // BWD_ROWS_PER_CTA), heads_q, batch)
+
+
+@dataclass(frozen=True)
+class BackwardWorkspace:
+    """The fp32 arrays a backward call needs beside its outputs, as float offsets into one
+    buffer (FagenBwdParams: dq_accum, softmax_d, lse_log2), and the int32 semaphores of the
+    deterministic mode (their own, zeroed buffer: one per query block of the main kernel)."""
+
+    dq_accum: int
+    softmax_d: int
+    lse_log2: int
+    floats: int
+    semaphores: int
+
+    @classmethod
+    def of(cls, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
+           block_m: int) -> "BackwardWorkspace":
+        rows = batch * heads_q * seqlen_q
+        return cls(dq_accum=0, softmax_d=rows * head_dim, lse_log2=rows * (head_dim + 1),
+                   floats=rows * (head_dim + 2),
+                   semaphores=batch * heads_q * -(-seqlen_q // block_m))
 
 
 @dataclass(frozen=True)
@@ -162,6 +200,7 @@ class Launch:
     tma_q_rows: int = 0
     tma_kv_rows: int = 0
     workspace_floats_per_row: int = 0
+    block_n: int = 0  # keys per CTA of a key_blocks grid
 
     @classmethod
     def from_dict(cls, d: dict) -> "Launch":
@@ -173,12 +212,15 @@ class Launch:
             raise ValueError(f"launch.grid {d['grid']!r} is not one of {', '.join(GRIDS)}")
         return cls(**d)
 
-    def grid_dims(self, seqlen_q: int, heads_q: int, batch: int, multiprocessors: int) -> tuple[int, int, int]:
+    def grid_dims(self, seqlen_q: int, heads_q: int, batch: int, multiprocessors: int,
+                  seqlen_k: int = 0, heads_kv: int = 0) -> tuple[int, int, int]:
         m_blocks = -(-seqlen_q // self.block_m)
         if self.grid == "persistent":
             return (min(m_blocks * heads_q * batch, multiprocessors), 1, 1)
         if self.grid == "heads":
             return (heads_q, batch, 1)
+        if self.grid == "key_blocks":
+            return (-(-seqlen_k // self.block_n), heads_kv, batch)
         return (m_blocks, heads_q, batch)
 
     def workspace_floats(self, seqlen_q: int, heads_q: int, batch: int) -> int:
@@ -267,6 +309,11 @@ def render_contract_header() -> str:
         f"#define FAGEN_MIN_SCALE_LOG2 {MIN_SCALE_LOG2!r}",
         "/* FagenKernelInfo.grid (index.h): the shape of a kernel's grid; fagen/contract.py, GRIDS. */",
         *(f"#define FAGEN_GRID_{name.upper()} {index}" for index, name in enumerate(GRIDS)),
+        "/* Backward: the preprocess and dQ kernels beside the main one (fagen/contract.py). */",
+        f"#define FAGEN_BWD_PREPROCESS_SUFFIX \"{BWD_PREPROCESS_SUFFIX}\"",
+        f"#define FAGEN_BWD_CONVERT_SUFFIX \"{BWD_CONVERT_SUFFIX}\"",
+        f"#define FAGEN_BWD_ROWS_PER_CTA {BWD_ROWS_PER_CTA}",
+        f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
         "",
         "#ifdef __cplusplus",
         "#include <string>",

@@ -1,14 +1,17 @@
-// Attention forward from C++ with a fagen bundle: random inputs on the host, the kernel through
-// fagen.hpp, the result checked against a CPU fp32 reference.
+// Attention from C++ with a fagen bundle: random inputs on the host, the kernels through
+// fagen.hpp, the results checked against a CPU fp32 reference.
 //
 //   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--causal]
 //                   [--batch 2] [--seqlen-q 300] [--seqlen-k 257] [--heads-q 4] [--heads-kv 2]
-//                   [--seed 0] [--tolerance T] [--dump DIR]
+//                   [--backward [--deterministic]] [--seed 0] [--tolerance T] [--dump DIR]
 //
-// Exit status: 0 when the max abs error is within the tolerance, 1 when it is not, 2 when the
-// run could not happen (bad arguments, no driver, no kernel for this device).
+// --backward also runs the backward (Bundle::attention_backward) on a random dout and checks
+// dq, dk, dv; --deterministic runs it in the deterministic mode.
+// Exit status: 0 when every max abs error is within the tolerance, 1 when one is not, 2 when
+// the run could not happen (bad arguments, no driver, no kernel for this device).
 // --dump DIR writes q.bin, k.bin, v.bin, out.bin (raw 16-bit elements, (batch, seqlen, heads,
-// head_dim) contiguous), lse.bin (fp32, (batch, heads_q, seqlen_q)) and problem.json.
+// head_dim) contiguous), lse.bin (fp32, (batch, heads_q, seqlen_q)) and problem.json; with
+// --backward also dout.bin, dq.bin, dk.bin, dv.bin.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,7 +36,7 @@ namespace {
 struct Options {
     std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
     fagen::DType dtype = fagen::DType::bf16;
-    bool causal = false;
+    bool causal = false, backward = false, deterministic = false;
     int head_dim = 64, batch = 2, seqlen_q = 300, seqlen_k = 257, heads_q = 4, heads_kv = 2;
     unsigned seed = 0;
     double tolerance = -1.0;  // < 0: the default for the dtype
@@ -46,6 +49,8 @@ bool parse(int argc, char** argv, Options& o) {
         const bool has_value = i + 1 < argc;
         auto next_int = [&](int& out) { out = std::atoi(argv[++i]); };
         if (flag == "--causal") o.causal = true;
+        else if (flag == "--backward") o.backward = true;
+        else if (flag == "--deterministic") o.deterministic = true;
         else if (!has_value) return false;
         else if (flag == "--bundle") o.bundle = argv[++i];
         else if (flag == "--dump") o.dump = argv[++i];
@@ -64,7 +69,7 @@ bool parse(int argc, char** argv, Options& o) {
         else if (flag == "--tolerance") o.tolerance = std::atof(argv[++i]);
         else return false;
     }
-    return !o.bundle.empty() && o.batch > 0 && o.seqlen_q > 0 && o.seqlen_k > 0 && o.heads_kv > 0 &&
+    return !o.bundle.empty() && (o.backward || !o.deterministic) && o.batch > 0 && o.seqlen_q > 0 && o.seqlen_k > 0 && o.heads_kv > 0 &&
            o.heads_q % o.heads_kv == 0 && o.head_dim > 0;
 }
 
@@ -157,6 +162,70 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
     return out;
 }
 
+struct Gradients {
+    std::vector<float> dq, dk, dv;
+};
+
+// dq, dk, dv of reference_attention in fp32: P recomputed per row, dV += P^T dO,
+// dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK += scale dS^T Q; k/v gradients summed
+// over the query heads of their group.
+Gradients reference_backward(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                             const HostTensor& dout, float scale) {
+    const int d = o.head_dim, group = o.heads_q / o.heads_kv;
+    Gradients g{std::vector<float>(q.values.size(), 0.0f), std::vector<float>(k.values.size(), 0.0f),
+                std::vector<float>(v.values.size(), 0.0f)};
+    std::vector<float> probs(o.seqlen_k), dprobs(o.seqlen_k);
+    for (int b = 0; b < o.batch; ++b)
+        for (int h = 0; h < o.heads_q; ++h)
+            for (int i = 0; i < o.seqlen_q; ++i) {
+                const size_t qi = ((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d;
+                const int last_key = o.causal ? std::min(o.seqlen_k - 1, i + o.seqlen_k - o.seqlen_q) : o.seqlen_k - 1;
+                if (last_key < 0) continue;
+                auto kv_row = [&](int j) { return ((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d; };
+                float max_score = -INFINITY, total = 0.0f, rowsum = 0.0f;
+                for (int j = 0; j <= last_key; ++j) {
+                    float dot = 0.0f, dp = 0.0f;
+                    for (int c = 0; c < d; ++c) {
+                        dot += q.values[qi + c] * k.values[kv_row(j) + c];
+                        dp += dout.values[qi + c] * v.values[kv_row(j) + c];
+                    }
+                    probs[j] = dot * scale;
+                    dprobs[j] = dp;
+                    max_score = std::max(max_score, probs[j]);
+                }
+                for (int j = 0; j <= last_key; ++j) total += (probs[j] = std::exp(probs[j] - max_score));
+                for (int j = 0; j <= last_key; ++j) {
+                    probs[j] /= total;
+                    rowsum += probs[j] * dprobs[j];  // = rowsum(dO * O) of this row
+                }
+                for (int j = 0; j <= last_key; ++j) {
+                    const float ds = probs[j] * (dprobs[j] - rowsum) * scale;
+                    for (int c = 0; c < d; ++c) {
+                        g.dq[qi + c] += ds * k.values[kv_row(j) + c];
+                        g.dk[kv_row(j) + c] += ds * q.values[qi + c];
+                        g.dv[kv_row(j) + c] += probs[j] * dout.values[qi + c];
+                    }
+                }
+            }
+    return g;
+}
+
+float to_float(uint16_t bits, fagen::DType dtype) {
+    return dtype == fagen::DType::bf16 ? from_bf16(bits) : from_fp16(bits);
+}
+
+// Max |got - expected| over the elements, relative to max |expected| (gradients have no unit
+// scale); NaN (an element never written) counts as infinite.
+double relative_max_error(const std::vector<uint16_t>& got, const std::vector<float>& expected, fagen::DType dtype) {
+    double error = 0.0, scale = 1e-30;
+    for (size_t i = 0; i < got.size(); ++i) {
+        const double e = std::fabs(static_cast<double>(to_float(got[i], dtype)) - expected[i]);
+        error = std::isnan(e) ? INFINITY : std::max(error, e);
+        scale = std::max(scale, std::fabs(static_cast<double>(expected[i])));
+    }
+    return error / scale;
+}
+
 bool write_raw(const std::string& path, const void* data, size_t bytes) {
     std::ofstream stream(path, std::ios::binary);
     stream.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
@@ -164,14 +233,19 @@ bool write_raw(const std::string& path, const void* data, size_t bytes) {
 }
 
 bool dump(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<uint16_t>& out,
-          const std::vector<float>& lse, float scale, const char* kernel) {
+          const std::vector<float>& lse, float scale, const char* kernel, const std::vector<std::vector<uint16_t>>& grads) {
     const std::string dir = o.dump + "/";
     std::ofstream json(dir + "problem.json");
     json << std::setprecision(9);  // enough digits to round-trip the fp32 scale
     json << "{\"dtype\": \"" << fagen::dtype_name(o.dtype) << "\", \"causal\": " << (o.causal ? "true" : "false")
          << ", \"batch\": " << o.batch << ", \"seqlen_q\": " << o.seqlen_q << ", \"seqlen_k\": " << o.seqlen_k
          << ", \"heads_q\": " << o.heads_q << ", \"heads_kv\": " << o.heads_kv << ", \"head_dim\": " << o.head_dim
-         << ", \"softmax_scale\": " << scale << ", \"kernel\": \"" << kernel << "\"}\n";
+         << ", \"softmax_scale\": " << scale << ", \"kernel\": \"" << kernel << "\", \"backward\": "
+         << (grads.empty() ? "false" : "true") << ", \"deterministic\": " << (o.deterministic ? "true" : "false") << "}\n";
+    const char* grad_names[] = {"dout", "dq", "dk", "dv"};
+    for (size_t i = 0; i < grads.size(); ++i) {
+        if (!write_raw(dir + grad_names[i] + ".bin", grads[i].data(), grads[i].size() * 2)) return false;
+    }
     return static_cast<bool>(json) && write_raw(dir + "q.bin", q.bits.data(), q.bits.size() * 2) &&
            write_raw(dir + "k.bin", k.bits.data(), k.bits.size() * 2) &&
            write_raw(dir + "v.bin", v.bits.data(), v.bits.size() * 2) &&
@@ -184,14 +258,69 @@ int fail(const std::string& message) {
     return 2;
 }
 
+// The backward of the forward just run: dq, dk, dv of a random dout, each checked against the
+// CPU reference; writes their errors into `errors` and their bits into `grads` (dout first).
+fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen::Attention& forward, const HostTensor& q,
+                           const HostTensor& k, const HostTensor& v, std::mt19937& rng, float scale,
+                           std::vector<double>& errors, std::vector<std::vector<uint16_t>>& grads) {
+    const fagen::Driver& cu = *fagen::driver().value();
+    const size_t q_count = q.bits.size(), kv_count = k.bits.size();
+    const HostTensor dout = random_tensor(q_count, o.dtype, rng);
+    fagen::AttentionBackward b;
+    static_cast<fagen::Attention&>(b) = forward;
+    const size_t workspace_bytes = fagen::Bundle::backward_workspace_bytes(b);
+    size_t semaphore_bytes = 0;
+    if (o.deterministic) {
+        auto bytes = bundle.backward_semaphore_bytes(b);
+        if (!bytes.ok()) return bytes.status();
+        semaphore_bytes = bytes.value();
+    }
+    std::vector<std::pair<CUdeviceptr*, size_t>> allocations = {
+        {&b.dout, q_count * 2}, {&b.dq, q_count * 2}, {&b.dk, kv_count * 2}, {&b.dv, kv_count * 2},
+        {&b.workspace, workspace_bytes}};
+    if (o.deterministic) allocations.emplace_back(&b.semaphores, semaphore_bytes);
+    for (const auto& [pointer, bytes] : allocations) {
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return s;
+    }
+    const uint16_t nan_bits = o.dtype == fagen::DType::bf16 ? 0x7fc0 : 0x7e00;
+    const fagen::Status setup[] = {
+        cu.check(cu.memcpy_htod(b.dout, dout.bits.data(), q_count * 2), "cuMemcpyHtoD(dout)"),
+        // NaN in the gradients first, so an element the kernels never write fails the check.
+        cu.check(cu.memset_d16(b.dq, nan_bits, q_count), "cuMemsetD16(dq)"),
+        cu.check(cu.memset_d16(b.dk, nan_bits, kv_count), "cuMemsetD16(dk)"),
+        cu.check(cu.memset_d16(b.dv, nan_bits, kv_count), "cuMemsetD16(dv)"),
+        b.semaphores ? cu.check(cu.memset_d16(b.semaphores, 0, semaphore_bytes / 2), "cuMemsetD16(semaphores)")
+                     : fagen::Status(),
+    };
+    for (const fagen::Status& s : setup) {
+        if (!s.ok()) return s;
+    }
+    if (fagen::Status s = bundle.attention_backward(b, nullptr); !s.ok()) return s;
+    if (fagen::Status s = cu.check(cu.stream_synchronize(nullptr), "cuStreamSynchronize"); !s.ok()) return s;
+    grads = {dout.bits, std::vector<uint16_t>(q_count), std::vector<uint16_t>(kv_count), std::vector<uint16_t>(kv_count)};
+    const std::pair<CUdeviceptr, std::vector<uint16_t>*> results[] = {{b.dq, &grads[1]}, {b.dk, &grads[2]}, {b.dv, &grads[3]}};
+    for (const auto& [pointer, host] : results) {
+        if (fagen::Status s = cu.check(cu.memcpy_dtoh(host->data(), pointer, host->size() * 2), "cuMemcpyDtoH");
+            !s.ok())
+            return s;
+    }
+    for (CUdeviceptr pointer : {b.dout, b.dq, b.dk, b.dv, b.workspace, b.semaphores}) {
+        if (pointer) cu.mem_free(pointer);
+    }
+    const Gradients expected = reference_backward(o, q, k, v, dout, scale);
+    errors = {relative_max_error(grads[1], expected.dq, o.dtype), relative_max_error(grads[2], expected.dk, o.dtype),
+              relative_max_error(grads[3], expected.dv, o.dtype)};
+    return fagen::Status();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     Options o;
     if (!parse(argc, argv, o)) {
         std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--causal] [--batch N] "
-                             "[--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] [--seed N] "
-                             "[--tolerance T] [--dump DIR]\n", argv[0]);
+                             "[--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] "
+                             "[--backward [--deterministic]] [--seed N] [--tolerance T] [--dump DIR]\n", argv[0]);
         return 2;
     }
     auto bundle = fagen::Bundle::open(o.bundle);
@@ -211,25 +340,24 @@ int main(int argc, char** argv) {
     const HostTensor k = random_tensor(kv_count, o.dtype, rng);
     const HostTensor v = random_tensor(kv_count, o.dtype, rng);
 
-    CUdeviceptr dq = 0, dk = 0, dv = 0, dout = 0, dlse = 0;
+    fagen::Attention a;
     const std::pair<CUdeviceptr*, size_t> allocations[] = {
-        {&dq, q_count * 2}, {&dk, kv_count * 2}, {&dv, kv_count * 2}, {&dout, q_count * 2}, {&dlse, lse_count * 4}};
+        {&a.q, q_count * 2}, {&a.k, kv_count * 2}, {&a.v, kv_count * 2}, {&a.out, q_count * 2}, {&a.lse, lse_count * 4}};
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
     }
     const uint16_t nan_bits = o.dtype == fagen::DType::bf16 ? 0x7fc0 : 0x7e00;
     const fagen::Status copies[] = {
-        cu.check(cu.memcpy_htod(dq, q.bits.data(), q_count * 2), "cuMemcpyHtoD(q)"),
-        cu.check(cu.memcpy_htod(dk, k.bits.data(), kv_count * 2), "cuMemcpyHtoD(k)"),
-        cu.check(cu.memcpy_htod(dv, v.bits.data(), kv_count * 2), "cuMemcpyHtoD(v)"),
+        cu.check(cu.memcpy_htod(a.q, q.bits.data(), q_count * 2), "cuMemcpyHtoD(q)"),
+        cu.check(cu.memcpy_htod(a.k, k.bits.data(), kv_count * 2), "cuMemcpyHtoD(k)"),
+        cu.check(cu.memcpy_htod(a.v, v.bits.data(), kv_count * 2), "cuMemcpyHtoD(v)"),
         // NaN in the output first, so an element the kernel never writes fails the check.
-        cu.check(cu.memset_d16(dout, nan_bits, q_count), "cuMemsetD16(out)"),
+        cu.check(cu.memset_d16(a.out, nan_bits, q_count), "cuMemsetD16(out)"),
     };
     for (const fagen::Status& s : copies) {
         if (!s.ok()) return fail(s.message());
     }
 
-    fagen::Attention a;
     a.dtype = o.dtype;
     a.causal = o.causal;
     a.batch = o.batch;
@@ -238,11 +366,6 @@ int main(int argc, char** argv) {
     a.heads_q = o.heads_q;
     a.heads_kv = o.heads_kv;
     a.head_dim = o.head_dim;
-    a.q = dq;
-    a.k = dk;
-    a.v = dv;
-    a.out = dout;
-    a.lse = dlse;
     const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
     a.softmax_scale = scale;
     CUstream stream = nullptr;  // the legacy default stream
@@ -251,30 +374,44 @@ int main(int argc, char** argv) {
 
     std::vector<uint16_t> out_bits(q_count);
     std::vector<float> lse(lse_count);
-    if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), dout, q_count * 2), "cuMemcpyDtoH(out)"); !s.ok())
+    if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, q_count * 2), "cuMemcpyDtoH(out)"); !s.ok())
         return fail(s.message());
-    if (fagen::Status s = cu.check(cu.memcpy_dtoh(lse.data(), dlse, lse_count * 4), "cuMemcpyDtoH(lse)"); !s.ok())
+    if (fagen::Status s = cu.check(cu.memcpy_dtoh(lse.data(), a.lse, lse_count * 4), "cuMemcpyDtoH(lse)"); !s.ok())
         return fail(s.message());
-    for (CUdeviceptr pointer : {dq, dk, dv, dout, dlse}) cu.mem_free(pointer);
+    std::vector<double> grad_errors;
+    std::vector<std::vector<uint16_t>> grads;  // dout, dq, dk, dv
+    if (o.backward) {
+        if (fagen::Status s = run_backward(o, bundle.value(), a, q, k, v, rng, scale, grad_errors, grads); !s.ok())
+            return fail(s.message());
+    }
+    for (CUdeviceptr pointer : {a.q, a.k, a.v, a.out, a.lse}) cu.mem_free(pointer);
 
     const std::vector<float> expected = reference_attention(o, q, k, v, scale);
     double max_error = 0.0;
     for (size_t i = 0; i < q_count; ++i) {
-        const float got = o.dtype == fagen::DType::bf16 ? from_bf16(out_bits[i]) : from_fp16(out_bits[i]);
-        const double error = std::fabs(static_cast<double>(got) - expected[i]);
+        const double error = std::fabs(static_cast<double>(to_float(out_bits[i], o.dtype)) - expected[i]);
         max_error = std::isnan(error) ? INFINITY : std::max(max_error, error);
     }
     // The output's own rounding (8 or 11 significant bits) plus the kernel's 16-bit P@V; the
-    // precise 2x-of-torch rule is checked by tests/gpu/test_cpp_example.py.
+    // precise 2x-of-torch rule is checked by tests/gpu/test_cpp_example.py (3x for gradients).
     const double tolerance = o.tolerance >= 0 ? o.tolerance : (o.dtype == fagen::DType::bf16 ? 4e-2 : 6e-3);
-    if (!o.dump.empty() && !dump(o, q, k, v, out_bits, lse, scale, kernel_name)) {
+    if (!o.dump.empty() && !dump(o, q, k, v, out_bits, lse, scale, kernel_name, grads)) {
         return fail("cannot write the dump into " + o.dump + " (does the directory exist?)");
     }
-    const bool passed = max_error <= tolerance;
+    bool passed = max_error <= tolerance;
     std::printf("kernel %s: batch %d, seqlen_q %d, seqlen_k %d, heads %d/%d, head_dim %d, %s%s\n", kernel_name, o.batch,
                 o.seqlen_q, o.seqlen_k, o.heads_q, o.heads_kv, o.head_dim, fagen::dtype_name(o.dtype),
                 o.causal ? ", causal" : "");
     std::printf("max abs error vs CPU fp32 reference: %.3g (tolerance %.3g): %s\n", max_error, tolerance,
                 passed ? "PASS" : "FAIL");
+    if (o.backward) {
+        const char* names[] = {"dq", "dk", "dv"};
+        for (int i = 0; i < 3; ++i) {
+            const bool ok = grad_errors[i] <= tolerance;
+            passed = passed && ok;
+            std::printf("%s%s: max abs error / max |reference|: %.3g (tolerance %.3g): %s\n", names[i],
+                        o.deterministic ? " (deterministic)" : "", grad_errors[i], tolerance, ok ? "PASS" : "FAIL");
+        }
+    }
     return passed ? 0 : 1;
 }

@@ -107,7 +107,8 @@ def _summary_table(report) -> Table:
         groups.setdefault(key, []).append((k, entry))
     table = Table(title=Text(f"bundle {report.manifest.bundle}: {report.bundle_dir}"))
     table.add_column("algorithm", justify="left", no_wrap=True)
-    for column in ("kernels", "compiled", "cached", "max regs", "max smem KB", "cubin KB"):
+    # Short headers: the widest algorithm label ("fa2 bwd sm90") and six columns fit 80.
+    for column in ("kernels", "compiled", "cached", "regs", "smem KB", "cubin KB"):
         table.add_column(column, justify="right")
     for (fa_version, direction, arch), members in sorted(groups.items()):
         cached = sum(k.cached for k, _ in members)

@@ -16,6 +16,7 @@ C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
 
 def build_context(spec: KernelSpec) -> dict:
+    params = abi.BwdParams if spec.direction == "bwd" else abi.FwdParams
     return {
         "kernel_name": spec.name,
         "spec_json": json.dumps(spec.model_dump(mode="json"), sort_keys=True),
@@ -23,7 +24,7 @@ def build_context(spec: KernelSpec) -> dict:
         "element_type": C_ELEMENT_TYPES[spec.dtype],
         "constexprs": spec.constexprs(),
         "abi_version": abi.ABI_VERSION,
-        "abi_struct": abi.C_STRUCT_NAME,
-        "abi_size": abi.struct_size(),
-        "abi_offsets": list(abi.field_offsets().items()),
+        "abi_struct": abi.C_STRUCT_NAMES[params],
+        "abi_size": abi.struct_size(params),
+        "abi_offsets": list(abi.field_offsets(params).items()),
     }

@@ -6,12 +6,15 @@ cuda-bindings.
 
 from ..bundle.format import BundleError
 from ..contract import KernelEntry, ScaleError
-from .call import AttentionError, PreparedAttention, Problem, Tensor, attention, prepare
+from .call import (
+    AttentionError, BackwardTensors, PreparedAttention, Problem, Tensor, attention,
+    attention_backward, prepare,
+)
 from .driver import DriverError
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid, load, runs_on
 
 __all__ = [
-    "AttentionError", "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound",
-    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Tensor", "attention",
+    "AttentionError", "BackwardTensors", "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound",
+    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Tensor", "attention", "attention_backward",
     "launch_grid", "load", "prepare", "runs_on",
 ]

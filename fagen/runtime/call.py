@@ -19,7 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from .. import contract
-from ..abi import FwdParams
+from ..abi import BwdParams, FwdParams
 from ..contract import ALIGNMENT_BYTES, MAX_GRID_YZ, STRIDE_MULTIPLE, TMA_BOX_COLUMNS, KernelEntry
 from . import driver
 from .loader import Bundle, LoadedKernel, launch_grid
@@ -213,3 +213,98 @@ def attention(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor,
         return
     prepare(bundle, problem, q, k, v, out, softmax_scale, device).launch(out.data, lse, stream,
                                                                          workspace)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@dataclass(frozen=True)
+class BackwardTensors:
+    """The tensors of one backward: the forward's inputs and outputs (q, k, v, out, and lse as
+    an address of (batch, heads_q, seqlen_q) fp32), the output's gradient dout, and the
+    gradients to write (dq like q; dk, dv like k, v)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    dout: Tensor
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    lse: int
+
+
+def select_backward(bundle: Bundle, problem: Problem, device: int = 0,
+                    fa_version: int | None = None) -> KernelEntry:
+    """The backward kernel for `problem` on the device (the key of its backward direction)."""
+    key = contract.kernel_key("bwd", problem.dtype, problem.head_dim, problem.causal)
+    return bundle.select(key, driver.compute_capability(device), problem.seqlen_k,
+                         fa_version=fa_version)
+
+
+def backward_workspace(entry: KernelEntry, problem: Problem) -> contract.BackwardWorkspace:
+    """What a backward of `problem` on `entry` needs beside its outputs (sizes in floats and
+    ints): the caller allocates one fp32 buffer of .floats and, for the deterministic mode, a
+    zeroed int32 buffer of .semaphores."""
+    return contract.BackwardWorkspace.of(problem.batch, problem.heads_q, problem.seqlen_q,
+                                         problem.head_dim, entry.launch.block_m)
+
+
+def _bwd_params(problem: Problem, t: BackwardTensors, workspace: int, semaphores: int,
+                softmax_scale: float | None) -> BwdParams:
+    p = problem
+    layout = contract.BackwardWorkspace.of(p.batch, p.heads_q, p.seqlen_q, p.head_dim, 1)
+    params = BwdParams(
+        q=t.q.data, k=t.k.data, v=t.v.data, o=t.out.data, dout=t.dout.data, lse=t.lse,
+        dq=t.dq.data, dk=t.dk.data, dv=t.dv.data,
+        dq_accum=workspace + 4 * layout.dq_accum, softmax_d=workspace + 4 * layout.softmax_d,
+        lse_log2=workspace + 4 * layout.lse_log2, dq_semaphore=semaphores or None,
+        lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
+        batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
+        seqlen_k=p.seqlen_k, scale_log2=contract.kernel_scale_log2(softmax_scale, p.head_dim),
+        softmax_scale=contract.default_softmax_scale(p.head_dim) if softmax_scale is None
+        else softmax_scale,
+    )
+    for name in ("q", "k", "v", "dq", "dk", "dv"):
+        tensor = getattr(t, name)
+        for dim, stride in zip(("batch", "row", "head"), tensor.strides):
+            setattr(params, f"{name}_{dim}_stride", stride)
+    for name, tensor in (("o", t.out), ("do", t.dout)):
+        for dim, stride in zip(("batch", "row", "head"), tensor.strides):
+            setattr(params, f"{name}_{dim}_stride", stride)
+    return params
+
+
+def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, *,
+                       workspace: int, semaphores: int = 0, softmax_scale: float | None = None,
+                       stream: int = 0, device: int = 0, entry: KernelEntry | None = None) -> None:
+    """dq, dk, dv of one attention: the three backward kernels (fagen/contract.py, "Backward
+    kernels") on `stream`, asynchronous. `workspace`: a device buffer of
+    backward_workspace(...).floats fp32; `semaphores`: 0, or a zeroed int32 buffer of
+    backward_workspace(...).semaphores for the deterministic mode (the same gradients, bit
+    for bit, on every run). Raises like prepare()."""
+    check_problem(problem)
+    if problem.seqlen_k == 0 or problem.batch * problem.seqlen_q * problem.heads_q == 0:
+        raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
+                             "gradients of an empty attention are zeros, which the caller writes)")
+    contract.kernel_scale_log2(softmax_scale, problem.head_dim)
+    entry = entry or select_backward(bundle, problem, device)
+    grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
+                       problem.seqlen_k, problem.heads_kv)
+    rows = contract.bwd_row_grid(problem.seqlen_q, problem.heads_q, problem.batch)
+    if max(grid[1], grid[2], rows[1], rows[2]) > MAX_GRID_YZ:
+        raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
+                             f"at most {MAX_GRID_YZ} (CUDA grid limit)")
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        _check_tensor(name, getattr(tensors, name), False)
+    if not workspace:
+        raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
+    params = _bwd_params(problem, tensors, workspace, semaphores, softmax_scale)
+    kernel = bundle.kernel(entry)
+    with driver.primary_context(device):
+        kernel.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows,
+                                 contract.BWD_ROW_THREADS, stream)
+        kernel.enqueue(params, grid, stream, device)
+        kernel.enqueue_companion(contract.BWD_CONVERT_SUFFIX, params, rows,
+                                 contract.BWD_ROW_THREADS, stream)

@@ -17,10 +17,11 @@ from ..bundle.pack import unpack_cached
 from . import driver
 
 
-def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int) -> tuple[int, int, int]:
+def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int,
+                seqlen_k: int = 0, heads_kv: int = 0) -> tuple[int, int, int]:
     """The grid for a launch of `entry` on device `device` (contract.Launch.grid_dims)."""
     sms = driver.multiprocessor_count(device) if entry.launch.grid == "persistent" else 0
-    return entry.launch.grid_dims(seqlen_q, heads_q, batch, sms)
+    return entry.launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
 
 
 class KernelNotFound(LookupError):
@@ -175,6 +176,7 @@ class LoadedKernel:
         self._image = image
         self._library = driver.load_library(image)
         self._kernel = None
+        self._companions: dict[str, object] = {}
         self._ready_devices: set[int] = set()
         self._lock = threading.Lock()
 
@@ -219,6 +221,18 @@ class LoadedKernel:
         driver.launch(
             self._kernel, grid, (launch.threads, 1, 1), launch.dynamic_smem, stream, (params, *extra_params)
         )
+
+    def enqueue_companion(self, suffix: str, params: ctypes.Structure, grid: tuple[int, int, int],
+                          threads: int, stream: int) -> None:
+        """Launch the cubin's kernel `<name><suffix>` (a backward's preprocess or dQ kernel,
+        fagen/contract.py), which takes no dynamic shared memory; the caller made the device's
+        primary context current."""
+        kernel = self._companions.get(suffix)
+        if kernel is None:
+            with self._lock:
+                kernel = self._companions.setdefault(
+                    suffix, driver.get_kernel(self._library, self.entry.name + suffix))
+        driver.launch(kernel, grid, (threads, 1, 1), 0, stream, (params,))
 
 
 class Bundle:

@@ -11,11 +11,12 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from .base import KernelSpec
 from .fa1 import Fa1ForwardSpec
 from .fa2 import Fa2ForwardSpec
+from .fa2_bwd import Fa2BackwardSpec
 from .fa3 import Fa3ForwardSpec
 from .fa4 import Fa4ForwardSpec
 
 SPEC_CLASSES: tuple[type[KernelSpec], ...] = (
-    Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec)
+    Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec, Fa2BackwardSpec)
 ALGORITHMS: dict[tuple[int, str], type[KernelSpec]] = {
     (c.FA_VERSION, c.DIRECTION): c for c in SPEC_CLASSES}
 

@@ -21,6 +21,7 @@ from .arch import ARCHS, Arch
 from .base import TileBase
 from .fa1 import Fa1Tile
 from .fa2 import Fa2Tile
+from .fa2_bwd import Fa2BwdTile
 from .fa3 import Fa3Tile
 from .fa4 import Fa4Tile
 
@@ -75,6 +76,33 @@ TABLE: tuple[TuningRow, ...] = (
               "sm80 (163 KB) takes this row too (not measured on an A100)"),
     TuningRow(Fa2Tile(block_m=64, block_n=32, warps=4, stages=2), 256,
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
+    # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers (16 keys per
+    # warp, the warps of a key group splitting head_dim) and walks the query blocks. Register
+    # and shared-memory counts are the geometry's (fagen/spec/fa2_bwd.py); speeds from the H200
+    # sweep of run 68 (bench.tile_sweep, bf16, 4k; 2026-12-01), against SDPA-FA2's backward. ----
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, kv_in_registers=True), 64,
+              "causal: K and V fragments in registers (each warp's 16 rows, read once): 146 "
+              "against 137 TFLOP/s without (0.59 / 0.56x SDPA-FA2); 109 KB smem",
+              causal=True),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2), 64,
+              "8 key groups of 16: dK + dV 64, S^T + dP^T 64 regs per thread: 158 TFLOP/s (0.57x "
+              "SDPA-FA2) against 148 for 64 x 64 with 4 warps; with K, V in registers the "
+              "non-causal kernel spills 24 bytes; 109 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=4, stages=1), 64,
+              "fallback for 99 KB parts: 55 KB"),
+    TuningRow(Fa2BwdTile(block_m=32, block_n=128, warps=8, stages=2), 128,
+              "32 queries per step, 128 keys per CTA (half the dQ reductions of block_n 64): "
+              "146 / 162 TFLOP/s causal / full against 132 / 141 for 64 x 64 with 8 warps and "
+              "113 / 125 with 4 (244-246 regs, no spills); 123 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 128,
+              "fallback for 99 KB parts: one Q / dO buffer, 87 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2), 256,
+              "two warps per key group split head_dim: dK + dV 128, S^T + dP^T 32 regs: 150 / 160 "
+              "TFLOP/s causal / full against 123 for 32 x 64; 217 KB smem (sm90)"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 256,
+              "sm80's 163 KB: one Q / dO buffer, 150 KB"),
+    TuningRow(Fa2BwdTile(block_m=32, block_n=32, warps=4, stages=1), 256,
+              "fallback for 99 KB parts: 71 KB"),
     # ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer
     # warpgroup, the softmax overlapped with the previous P V inside each warpgroup, a
     # persistent grid (the kernel's structure, each measured in the ablations listed in

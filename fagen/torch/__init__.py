@@ -1,9 +1,12 @@
-"""Stage 6: the torch adapter (flash-attn's calling convention on fagen bundles)."""
+"""Stage 6: the torch adapter (flash-attn's calling convention on fagen bundles): the forward
+(adapter.py), its backward and autograd (backward.py), and the public call (api.py)."""
 
 from ..runtime import Bundle, BundleError, KernelNotFound
-from .adapter import bundle_path, flash_attn_func, flash_attn_fwd, get_bundle, kernel_key
+from .adapter import bundle_path, flash_attn_fwd, get_bundle, kernel_key
+from .api import flash_attn_func
+from .backward import flash_attn_bwd
 
 __all__ = [
-    "Bundle", "BundleError", "KernelNotFound", "bundle_path", "flash_attn_func", "flash_attn_fwd",
-    "get_bundle", "kernel_key",
+    "Bundle", "BundleError", "KernelNotFound", "bundle_path", "flash_attn_bwd", "flash_attn_func",
+    "flash_attn_fwd", "get_bundle", "kernel_key",
 ]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract, paths
 from ..contract import ALIGNMENT_BYTES, STRIDE_MULTIPLE
@@ -236,7 +235,10 @@ def _flash_attn_fwd(
     causal: bool,
     softmax_scale: Optional[float],
     bundle: Optional[str],
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of one forward. `deterministic` is the backward's (saved for it by the op's
+    autograd, fagen/torch/backward.py); the forward is deterministic anyway."""
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
     signature = _call_signature(bundle, q, k, v, causal, softmax_scale)
@@ -278,124 +280,9 @@ flash_attn_fwd = torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=(
 
 
 @flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale, bundle):
+def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale, bundle, deterministic=False):
     _check_inputs(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, heads_q, head_dim))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse
-
-
-_NO_BACKWARD = (
-    "fagen's kernels are forward-only today: a call whose q, k or v requires grad (with grad "
-    "mode on) would return an output with no gradient. Run inference under torch.no_grad() or "
-    "torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention where "
-    "gradients are needed"
-)
-
-
-def _refuse_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError(f"fagen.flash_attn_func: {_NO_BACKWARD}")
-
-
-def _no_backward_context(ctx, inputs, output) -> None:
-    """The op's autograd: called only when a gradient would be recorded, so the op itself (used
-    directly or from a traced graph) refuses the call too."""
-    raise RuntimeError(f"fagen::flash_attn_fwd: {_NO_BACKWARD}")
-
-
-flash_attn_fwd.register_autograd(lambda ctx, *grads: None, setup_context=_no_backward_context)
-
-
-# flash-attn's flash_attn_func options fagen does not implement, with the value that means "off":
-# that value is accepted (it changes nothing), any other is refused rather than ignored.
-_UNSUPPORTED_OPTIONS = {
-    "dropout_p": (0.0, "fagen's kernels have no dropout"),
-    "window_size": ((-1, -1), "fagen's kernels have no sliding-window mask"),
-    "softcap": (0.0, "fagen's kernels do not cap the scores"),
-    "alibi_slopes": (None, "fagen's kernels have no ALiBi bias"),
-    "deterministic": (False, "fagen has no backward pass yet, so nothing to make deterministic"),
-    "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
-}
-
-
-def _check_options(extra_positional: tuple, options: dict) -> None:
-    if extra_positional:
-        raise TypeError(
-            "fagen.flash_attn_func takes q, k and v positionally and everything else by keyword "
-            f"(causal=..., softmax_scale=...); got {len(extra_positional)} more positional "
-            "argument(s). flash-attn's 4th positional argument is dropout_p, which fagen does "
-            "not support")
-    for name, value in options.items():
-        if name not in _UNSUPPORTED_OPTIONS:
-            raise TypeError(f"fagen.flash_attn_func got an unexpected keyword argument {name!r}")
-        off, why = _UNSUPPORTED_OPTIONS[name]
-        if not _is_off(value, off):
-            raise NotImplementedError(
-                f"fagen.flash_attn_func: {name}={value!r} is not supported ({why}); only "
-                f"{name}={off!r} is accepted")
-
-
-def _is_off(value, off) -> bool:
-    if off is None or isinstance(off, bool):
-        return value is off
-    if isinstance(off, tuple):
-        return isinstance(value, (tuple, list)) and tuple(value) == off
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == off
-
-
-def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *extra_positional,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-    bundle: str | os.PathLike | Bundle | None = None,
-    **flash_attn_options,
-):
-    """Attention forward in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k and v
-    (batch, seqlen_k, nheads_kv, head_dim), fp16 or bf16 on one CUDA device. Everything after
-    q, k, v is keyword-only.
-
-    nheads_q must be a multiple of nheads_kv (GQA/MQA). `causal` (a bool) masks bottom-right
-    aligned (query row i sees keys j <= i + seqlen_k - seqlen_q, as flash-attn >= 2.1); a row that
-    sees no key gives zeros and LSE -inf. `softmax_scale` defaults to 1/sqrt(head_dim); any finite
-    scale >= 0 works (0: uniform attention over the keys a row sees); negative, inf and NaN are
-    refused. `bundle` is a bundle directory or a loaded Bundle; default $FAGEN_BUNDLE, else
-    fagen's default bundle. flash-attn's dropout_p, window_size, softcap, alibi_slopes,
-    deterministic and return_attn_probs are accepted only at their "off" values.
-
-    Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
-    LSE (batch, nheads_q, seqlen_q) in float32.
-    """
-    if extra_positional or flash_attn_options:
-        _check_options(extra_positional, flash_attn_options)
-    if not isinstance(causal, bool):
-        raise TypeError(f"fagen.flash_attn_func: causal must be True or False, got {causal!r}")
-    _refuse_gradients(q, k, v)
-    if isinstance(bundle, Bundle):
-        get_bundle(bundle)
-        bundle = str(bundle.path)
-    elif bundle is not None:
-        bundle = os.fspath(bundle)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"fagen.flash_attn_func: softmax_scale must be a number or None, got "
-                            f"{softmax_scale!r}")
-        softmax_scale = float(softmax_scale)
-        contract.kernel_scale_log2(softmax_scale, q.shape[-1])  # refused before tracing or launch
-    # Plain eager calls skip the dispatcher: a custom op's first call imports torch._dynamo
-    # (about a second on a fast CPU, 3.6 s measured on the H200 host), which would dominate
-    # cold start. Tracing (torch.compile, export, fake or other dispatch modes, tensor
-    # subclasses) goes through the registered op.
-    eager = (
-        not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    )
-    implementation = _flash_attn_fwd if eager else flash_attn_fwd
-    out, lse = implementation(q, k, v, causal, softmax_scale, bundle)
-    return (out, lse) if return_lse else out

@@ -66,7 +66,7 @@ def test_default_summary_fits_80_columns(ci_small, kernel_cache, tmp_path, colum
     too_long = [line for line in lines if len(line) > 80]
     assert not too_long, result.stdout
     header = next(line for line in lines if "algorithm" in line)
-    for column in ("kernels", "compiled", "cached", "max regs", "max smem KB", "cubin KB"):
+    for column in ("kernels", "compiled", "cached", "regs", "smem KB", "cubin KB"):
         assert column in header
     assert any("fa2 sm80" in line for line in lines) and any("fa2 sm90" in line for line in lines)
     n = len(report.kernels)
@@ -81,7 +81,7 @@ def test_verbose_lists_every_kernel(ci_small, tmp_path, capsys):
     assert code == 0
     # Piped without COLUMNS: the per-kernel table at its natural width, names whole.
     assert all(k.name in out for k in report.kernels)
-    assert "compile s" in out and "max regs" in out
+    assert "compile s" in out and "regs" in out
 
 
 # ---- output locations that cannot be written ----

@@ -62,9 +62,9 @@ def example(bundle, tmp_path_factory):
     return build / "fagen_attention"
 
 
-def runnable_keys(bundle) -> list[str]:
+def runnable_keys(bundle, direction: str = "fwd") -> list[str]:
     cc = torch.cuda.get_device_capability()
-    keys = sorted({e.key for e in bundle.kernels if e.key.startswith("fwd/")})
+    keys = sorted({e.key for e in bundle.kernels if e.key.startswith(f"{direction}/")})
     runnable = []
     for key in keys:
         try:
@@ -73,7 +73,7 @@ def runnable_keys(bundle) -> list[str]:
             continue
         runnable.append(key)
     if not runnable:
-        pytest.skip(f"the bundle has no forward kernel for compute capability {cc[0]}.{cc[1]}")
+        pytest.skip(f"the bundle has no {direction} kernel for compute capability {cc[0]}.{cc[1]}")
     return runnable
 
 
@@ -82,11 +82,11 @@ def read_dump(directory: Path, name: str, shape, dtype) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(shape).cuda()
 
 
-def run_example(example, key: str, size, seed: int, dump: Path) -> dict:
+def run_example(example, key: str, size, seed: int, dump: Path, *extra: str) -> dict:
     direction, dtype, head_dim, mask = key.split("/")
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = size
     args = [str(example), "--dtype", dtype, "--head-dim", head_dim[2:], "--batch", batch, "--seqlen-q", seqlen_q,
-            "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed, "--dump", dump]
+            "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed, "--dump", dump, *extra]
     if mask == "causal":
         args.append("--causal")
     result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
@@ -133,3 +133,42 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         if finite.any():
             lse_gap = (lse_cpp - lse_torch)[finite].abs().max().item()
             assert lse_gap <= 1e-3, f"{context}: LSE differs by {lse_gap:.3e}"
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_path, deterministic):
+    """--backward: dq, dk, dv of Bundle::attention_backward within 3x the error of plain torch of
+    an fp32 reference, and close to flash_attn_func's autograd on the same inputs."""
+    size = SIZES[0]
+    keys = runnable_keys(bundle, "bwd")
+    for seed, key in enumerate(keys if not deterministic else keys[:2]):
+        dump = tmp_path / key.replace("/", "_")
+        dump.mkdir(parents=True)
+        extra = ("--backward", "--deterministic") if deterministic else ("--backward",)
+        problem = run_example(example, key.replace("bwd/", "fwd/", 1), size, seed, dump, *extra)
+        assert problem["backward"] and problem["deterministic"] == deterministic
+        dtype = DTYPES[problem["dtype"]]
+        batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
+        heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+        causal, scale = problem["causal"], problem["softmax_scale"]
+        q_shape, kv_shape = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim)
+        q, dout, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dout", "dq"))
+        k, v, dk_cpp, dv_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "v", "dk", "dv"))
+
+        def grads(out_dtype, run):
+            leaves = [t.detach().to(out_dtype).requires_grad_(True) for t in (q, k, v)]
+            out = run(*leaves)
+            return [g.float() for g in torch.autograd.grad(out, leaves, dout.to(out.dtype))]
+
+        ref = grads(torch.float32, lambda *t: attention_math(*t, causal, scale, torch.float32)[0])
+        low = grads(dtype, lambda *t: attention_math(*t, causal, scale, dtype)[0])
+        ours = grads(dtype, lambda *t: flash_attn_func(*t, causal=causal, softmax_scale=scale, bundle=bundle))
+        for name, cpp, r, lo, t in zip(("dq", "dk", "dv"), (dq_cpp, dk_cpp, dv_cpp), ref, low, ours):
+            low_error = (lo - r).abs().max().item()
+            cpp_error = (cpp.float() - r).abs().max().item()
+            between = (cpp.float() - t).abs().max().item()
+            context = (f"{key} {name}: C++ {cpp_error:.3e}, torch {dtype} {low_error:.3e}, "
+                       f"C++ vs flash_attn_func {between:.3e}")
+            assert not cpp.isnan().any(), f"{context}: NaN (unwritten elements)"
+            assert cpp_error <= 3 * low_error + 1e-4, context
+            assert between <= 3 * low_error + 1e-4, context

@@ -199,7 +199,7 @@ def test_causal_must_be_a_bool(causal):
 
 @pytest.mark.parametrize("name, value", [
     ("dropout_p", 0.1), ("window_size", (128, 0)), ("softcap", 30.0),
-    ("alibi_slopes", torch.ones(4)), ("deterministic", True), ("return_attn_probs", True),
+    ("alibi_slopes", torch.ones(4)), ("return_attn_probs", True),
 ])
 def test_unsupported_flash_attn_options_are_refused(name, value):
     with pytest.raises(NotImplementedError, match=f"{name}=.* is not supported"):
@@ -208,7 +208,7 @@ def test_unsupported_flash_attn_options_are_refused(name, value):
 
 @pytest.mark.parametrize("name, value", [
     ("dropout_p", 0.0), ("dropout_p", 0), ("window_size", (-1, -1)), ("window_size", [-1, -1]),
-    ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False),
+    ("softcap", 0.0), ("alibi_slopes", None), ("return_attn_probs", False),
 ])
 def test_flash_attn_options_at_their_off_value_change_nothing(name, value):
     with pytest.raises(ValueError, match="CUDA tensors"):  # got as far as the device check
@@ -245,33 +245,39 @@ def test_softmax_scale_must_be_a_number():
         flash_attn_func(*_qkv(), softmax_scale="0.1")
 
 
+@pytest.mark.parametrize("deterministic", (1, None, "yes"))
+def test_deterministic_must_be_a_bool(deterministic):
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        flash_attn_func(*_qkv(), deterministic=deterministic)
+
+
 @pytest.mark.parametrize("which", ("q", "k", "v"))
-def test_inputs_that_require_grad_are_refused(which):
-    q, k, v = _qkv()
-    dict(q=q, k=k, v=v)[which].requires_grad_(True)
-    with pytest.raises(RuntimeError, match="fagen's kernels are forward-only today.*torch.no_grad"):
-        flash_attn_func(q, k, v)
-    with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensors"):  # fine without grad mode
-        flash_attn_func(q, k, v)
-
-
-def test_the_custom_op_refuses_gradients_too():
+def test_the_ops_record_a_backward_that_returns_gradients_of_the_inputs_shapes(which):
+    # The custom ops' fake implementations stand in for the kernels: a call whose inputs
+    # require grad records fagen::flash_attn_bwd, and backward() gives each input that needs
+    # it a gradient of its shape (GQA: dk, dv with the K/V heads), the others none.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():  # the op's fake implementation stands in for the GPU kernel
-        q, k, v = _qkv()
-        q.requires_grad_(True)
-        with pytest.raises(RuntimeError, match="fagen::flash_attn_fwd: fagen's kernels are forward-only"):
-            adapter.flash_attn_fwd(q, k, v, False, None, None)
+    with FakeTensorMode():
+        q, k, v = _qkv(heads_q=8, heads_kv=2)
+        dict(q=q, k=k, v=v)[which].requires_grad_(True)
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert out.requires_grad and not lse.requires_grad  # the LSE is not differentiable
+        out.float().sum().backward()
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if name == which:
+                assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+            else:
+                assert t.grad is None
 
 
-def test_a_traced_call_that_requires_grad_is_refused():
-    q, k, v = _qkv()
-    k.requires_grad_(True)
+def test_a_traced_training_step_goes_through_both_ops():
+    # fullgraph tracing of forward and backward succeeds (a graph break would raise Unsupported);
+    # only running the traced graph on CPU tensors is refused.
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, deterministic=True).float().sum()
 
-    @torch.compile(fullgraph=True, backend="eager")
-    def attention(q, k, v):
-        return flash_attn_func(q, k, v, causal=True)
-
-    with pytest.raises(Exception, match="fagen's kernels are forward-only today"):
-        attention(q, k, v)
+    q, k, v = (t.requires_grad_(True) for t in _qkv())
+    with pytest.raises(Exception, match="CUDA tensors"):  # traced fine; the CPU run is refused
+        step(q, k, v).backward()

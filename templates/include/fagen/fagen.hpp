@@ -391,6 +391,11 @@ inline std::string forward_key(DType dtype, int head_dim, bool causal) {
     return kernel_key("fwd", dtype_name(dtype), head_dim, causal);
 }
 
+// Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
+inline std::string backward_key(DType dtype, int head_dim, bool causal) {
+    return kernel_key("bwd", dtype_name(dtype), head_dim, causal);
+}
+
 // The scale_log2 (params.h) a call with `softmax_scale` launches with (nullopt: 1/sqrt(head_dim)):
 // fagen/contract.py's kernel_scale_log2, the same rule and messages. The kernels take the running
 // maximum of the unscaled scores, so a negative scale is refused; 0 launches with the smallest
@@ -526,13 +531,63 @@ public:
                params.heads_q * params.batch;
     }
 
+    // A backward (index.h key "bwd/..."): its preprocess, main and dQ kernels (contract.h,
+    // FAGEN_BWD_*) on `stream`, in the calling thread's current context.
+    Status launch_backward(const FagenBwdParams& params, CUstream stream) const {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        if (preprocess_ == nullptr || convert_ == nullptr) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " is not a backward kernel");
+        }
+        CUlaunchConfig rows{};
+        rows.gridDimX = static_cast<unsigned>((params.seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA);
+        rows.gridDimY = static_cast<unsigned>(params.heads_q);
+        rows.gridDimZ = static_cast<unsigned>(params.batch);
+        rows.blockDimX = FAGEN_BWD_ROW_THREADS;
+        rows.blockDimY = rows.blockDimZ = 1;
+        rows.hStream = stream;
+        CUlaunchConfig main{};
+        main.gridDimX = static_cast<unsigned>((params.seqlen_k + info_->block_n - 1) / info_->block_n);
+        main.gridDimY = static_cast<unsigned>(params.heads_kv);
+        main.gridDimZ = static_cast<unsigned>(params.batch);
+        main.blockDimX = static_cast<unsigned>(info_->threads);
+        main.blockDimY = main.blockDimZ = 1;
+        main.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
+        main.hStream = stream;
+        void* arguments[1] = {const_cast<FagenBwdParams*>(&params)};
+        const std::tuple<const CUlaunchConfig*, CUkernel, const char*> steps[] = {
+            {&rows, preprocess_, "cuLaunchKernelEx(preprocess)"},
+            {&main, kernel_, "cuLaunchKernelEx"},
+            {&rows, convert_, "cuLaunchKernelEx(dq)"}};
+        for (const auto& [config, kernel, call] : steps) {
+            if (Status s = d.value()->check(
+                    d.value()->launch_kernel_ex(config, reinterpret_cast<CUfunction>(kernel), arguments, nullptr), call);
+                !s.ok()) return s;
+        }
+        return Status();
+    }
+
 private:
     friend class Bundle;
     const FagenKernelInfo* info_ = nullptr;
     std::vector<unsigned char> image_;  // the driver may read it lazily, after cuLibraryLoadData returns
     CUlibrary library_ = nullptr;
     CUkernel kernel_ = nullptr;
+    CUkernel preprocess_ = nullptr;  // backward kernels only
+    CUkernel convert_ = nullptr;
     std::set<CUdevice> prepared_devices_;
+};
+
+// One attention backward: the forward's tensors (q, k, v, out, and its lse, which is required
+// here), the output's gradient dout, and the gradients to write (dq like q, dk and dv like k and
+// v; strides default to contiguous). `workspace`: an fp32 device buffer of
+// Bundle::backward_workspace_bytes(); `semaphores`: 0, or a zeroed int32 buffer of
+// Bundle::backward_semaphore_bytes() for the deterministic mode (the same gradients, bit for
+// bit, on every run).
+struct AttentionBackward : Attention {
+    CUdeviceptr dout = 0, dq = 0, dk = 0, dv = 0;
+    std::optional<Strides> dout_strides, dq_strides, dk_strides, dv_strides;
+    CUdeviceptr semaphores = 0;
 };
 
 class Bundle {
@@ -707,6 +762,92 @@ public:
         return kernel.value()->launch(p, &maps, stream, a.workspace);
     }
 
+    // Bytes of the fp32 workspace and of the deterministic mode's semaphores a backward of `a`
+    // needs (fagen/contract.py, BackwardWorkspace): dQ's accumulator, rowsum(dO * O) and the
+    // LSE in base 2 per query row; one int32 per query block of the main kernel.
+    static size_t backward_workspace_bytes(const Attention& a) {
+        return sizeof(float) * static_cast<size_t>(a.batch) * a.heads_q * a.seqlen_q * (a.head_dim + 2);
+    }
+    Result<size_t> backward_semaphore_bytes(const Attention& a) {
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
+        if (!kernel.ok()) return kernel.status();
+        const long long blocks = (a.seqlen_q + kernel.value()->info().block_m - 1) / kernel.value()->info().block_m;
+        return sizeof(int) * static_cast<size_t>(a.batch) * a.heads_q * blocks;
+    }
+
+    // dq, dk, dv of one attention on `stream` (in the current context), asynchronous: picks
+    // the backward kernel, checks the arguments as attention() does, fills FagenBwdParams and
+    // launches the three kernels.
+    Status attention_backward(const AttentionBackward& a, CUstream stream) {
+        if (a.batch <= 0 || a.seqlen_q <= 0 || a.heads_q <= 0 || a.seqlen_k <= 0 || a.heads_kv <= 0 ||
+            a.heads_q % a.heads_kv != 0) {
+            return Status::error("fagen: the backward needs batch, seqlen_q, seqlen_k >= 1 and heads_q (" +
+                                 std::to_string(a.heads_q) + ") a multiple of heads_kv (" + std::to_string(a.heads_kv) +
+                                 ")");
+        }
+        if (a.heads_q > FAGEN_MAX_GRID_YZ || a.batch > FAGEN_MAX_GRID_YZ) {
+            return Status::error("fagen: heads_q and batch must each be at most " + std::to_string(FAGEN_MAX_GRID_YZ) +
+                                 " (CUDA grid limit)");
+        }
+        if (a.lse == 0 || a.workspace == 0) {
+            return Status::error("fagen: the backward needs the forward's lse and a workspace of " +
+                                 std::to_string(backward_workspace_bytes(a)) + " bytes");
+        }
+        const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
+        if (!scale_log2.ok()) return scale_log2.status();
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
+        if (!kernel.ok()) return kernel.status();
+        const Strides q = a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const Strides k = a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
+        const Strides v = a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
+        const Strides o = a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const Strides dout = a.dout_strides.value_or(o);
+        const Strides dq = a.dq_strides.value_or(q);
+        const Strides dk = a.dk_strides.value_or(k);
+        const Strides dv = a.dv_strides.value_or(v);
+        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
+            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}},
+            {"dout", {a.dout, dout}}, {"dq", {a.dq, dq}}, {"dk", {a.dk, dk}}, {"dv", {a.dv, dv}}};
+        for (const auto& [name, tensor] : tensors) {
+            if (Status s = check_tensor(name, tensor.first, tensor.second, false); !s.ok()) return s;
+        }
+        const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
+        float* workspace = reinterpret_cast<float*>(a.workspace);
+        FagenBwdParams p{};
+        p.q = reinterpret_cast<const void*>(a.q);
+        p.k = reinterpret_cast<const void*>(a.k);
+        p.v = reinterpret_cast<const void*>(a.v);
+        p.o = reinterpret_cast<const void*>(a.out);
+        p.dout = reinterpret_cast<const void*>(a.dout);
+        p.lse = reinterpret_cast<const float*>(a.lse);
+        p.dq = reinterpret_cast<void*>(a.dq);
+        p.dk = reinterpret_cast<void*>(a.dk);
+        p.dv = reinterpret_cast<void*>(a.dv);
+        p.dq_accum = workspace;
+        p.softmax_d = workspace + rows * a.head_dim;
+        p.lse_log2 = workspace + rows * (a.head_dim + 1);
+        p.dq_semaphore = reinterpret_cast<int*>(a.semaphores);
+        const std::pair<long long*, const Strides*> strides[] = {
+            {&p.q_batch_stride, &q}, {&p.k_batch_stride, &k}, {&p.v_batch_stride, &v}, {&p.o_batch_stride, &o},
+            {&p.do_batch_stride, &dout}, {&p.dq_batch_stride, &dq}, {&p.dk_batch_stride, &dk}, {&p.dv_batch_stride, &dv}};
+        for (const auto& [field, tensor] : strides) {  // each tensor's (batch, row, head) strides are adjacent
+            field[0] = tensor->batch;
+            field[1] = tensor->row;
+            field[2] = tensor->head;
+        }
+        p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
+        p.lse_head_stride = a.seqlen_q;
+        p.batch = a.batch;
+        p.heads_q = a.heads_q;
+        p.heads_kv = a.heads_kv;
+        p.seqlen_q = a.seqlen_q;
+        p.seqlen_k = a.seqlen_k;
+        p.scale_log2 = scale_log2.value();
+        p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
+                                                      : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
+        return kernel.value()->launch_backward(p, stream);
+    }
+
     Bundle(Bundle&&) = default;
     Bundle& operator=(Bundle&&) = default;
 
@@ -765,6 +906,19 @@ private:
             !s.ok()) {
             cu.library_unload(kernel->library_);
             return s;
+        }
+        if (info.grid == FAGEN_GRID_KEY_BLOCKS) {  // a backward: the two kernels beside the main one
+            const std::pair<CUkernel*, const char*> companions[] = {
+                {&kernel->preprocess_, FAGEN_BWD_PREPROCESS_SUFFIX}, {&kernel->convert_, FAGEN_BWD_CONVERT_SUFFIX}};
+            for (const auto& [slot, suffix] : companions) {
+                const std::string symbol = std::string(info.name) + suffix;
+                if (Status s = cu.check(cu.library_get_kernel(slot, kernel->library_, symbol.c_str()),
+                                        ("cuLibraryGetKernel(" + symbol + ")").c_str());
+                    !s.ok()) {
+                    cu.library_unload(kernel->library_);
+                    return s;
+                }
+            }
         }
         return kernel;
     }

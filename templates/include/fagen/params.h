@@ -1,5 +1,5 @@
-// fagen kernel ABI: the one parameter every forward kernel takes, by value, as a
-// `const __grid_constant__` struct. Plain C so that host code in C, C++ and Python (ctypes,
+// fagen kernel ABI: the one parameter every forward kernel (FagenFwdParams) or backward kernel
+// (FagenBwdParams) takes, by value, as a `const __grid_constant__` struct. Plain C so that host code in C, C++ and Python (ctypes,
 // fagen/abi.py) can fill it. Bump FAGEN_ABI_VERSION on any change of layout or meaning; the
 // loaders refuse a bundle built against another version. Every kernel re-checks the offsets the
 // Python side computed with static_assert, so the two layouts cannot drift apart silently.
@@ -37,6 +37,47 @@ typedef struct FagenFwdParams {
     // softmax_scale * log2(e): the kernels work in base 2 with the scale folded in.
     float scale_log2;
 } FagenFwdParams;
+
+// The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
+// FagenFwdParams. Tensors in flash-attn layout; dq/dk/dv like q/k/v (dk, dv with heads_kv heads).
+// The fp32 workspace arrays are (batch, heads_q, seqlen_q[, head_dim]) contiguous; the caller
+// allocates them (fagen/contract.py: BackwardWorkspace) and the preprocess kernel fills them.
+typedef struct FagenBwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;   // (batch, heads_q, seqlen_q), natural log, from the forward
+    void* dq;
+    void* dk;
+    void* dv;
+    float* dq_accum;    // head_dim floats per query row: dQ / softmax_scale, accumulated
+    float* softmax_d;   // per query row: rowsum(dO * O)
+    float* lse_log2;    // per query row: LSE * log2(e), +inf for a row that saw no key
+    // Deterministic mode: one counter per (batch, head_q, query block of the main kernel),
+    // zeroed by the caller; null: dQ accumulates with atomics in any order.
+    int* dq_semaphore;
+
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+
+    int batch;
+    int heads_q;
+    int heads_kv;
+    int seqlen_q;
+    int seqlen_k;
+
+    float scale_log2;     // as in FagenFwdParams
+    float softmax_scale;  // dQ and dK are softmax_scale * (dS K), softmax_scale * (dS^T Q)
+} FagenBwdParams;
 
 // A CUtensorMap (cuda.h) as an opaque, 64-byte-aligned blob: kernels built with NVRTC cannot
 // include cuda.h, and the layout is the driver's business anyway.

@@ -18,6 +18,9 @@ struct ElementOps<__nv_bfloat16> {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
     }
+    static __device__ __forceinline__ float2 unpack(uint32_t pair) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+    }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
         ptx::mma_sync_m16n8k16_f32_bf16(d, a, b);
@@ -30,11 +33,28 @@ struct ElementOps<__half> {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
     }
+    static __device__ __forceinline__ float2 unpack(uint32_t pair) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+    }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
         ptx::mma_sync_m16n8k16_f32_f16(d, a, b);
     }
 };
+
+// The fp32 dot product of two 16-byte vectors of 8 elements.
+template <class Element>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+    using Ops = ElementOps<Element>;
+    const uint32_t as[4] = {a.x, a.y, a.z, a.w}, bs[4] = {b.x, b.y, b.z, b.w};
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = Ops::unpack(as[i]), y = Ops::unpack(bs[i]);
+        sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+    }
+    return sum;
+}
 
 // The k16 A operand fragment of mma.sync m16n8k16 (and of wgmma with A from registers) for
 // columns 16*kk .. 16*kk+15 of an fp32 accumulator in the row-pair layout of

@@ -1,0 +1,178 @@
+"""FA2 backward (mma.sync, sm80+): its tile, geometry, template constexprs and launch.
+
+One CTA per (key block, K/V head, batch) walks every query block of the query heads its K/V head
+serves (templates/include/fagen/fa2/backward.cuh). The geometry is computed once here:
+validation rejects tiles that cannot fit, codegen passes the same numbers to the template, which
+re-checks them with static_assert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from .. import contract
+from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
+from .base import Constexpr, KernelSpec, TileBase
+from .fa2 import MMA_K, VECTOR_BYTES, Fa2ForwardSpec
+from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+
+WARP_KEYS = 16  # each warp's S^T and dK / dV rows: one m16 tile of keys
+WARP_CHOICES = (4, 8)
+STAGE_CHOICES = (1, 2)  # Q_i, dO_i buffers: 2 = the next query block loads during this one
+# Registers beyond dK / dV and S^T / dP^T (the largest live set): addresses, loop state, the
+# fragments of one k-step. As the forward's (fa2.py).
+REGISTER_OVERHEAD = 48
+
+
+class Fa2BwdTile(TileBase):
+    ALGORITHM: ClassVar[str] = "fa2 bwd"
+
+    block_m: int = Field(gt=0, description="query rows per step of the walk over query blocks")
+    block_n: int = Field(gt=0, description="keys per CTA (dK, dV rows in registers)")
+    warps: int = Field(gt=0, description="warps per CTA")
+    stages: int = Field(gt=0, description="Q / dO buffers: 2 loads the next query block ahead")
+    kv_in_registers: bool = Field(
+        False, description="each warp keeps its rows of K and V as mma fragments in registers "
+        "for the whole walk instead of reading them from shared memory every step")
+
+    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (("kv_in_registers", "kr"),)
+
+
+@dataclass(frozen=True)
+class Fa2BwdGeometry(TileGeometry):
+    kv_in_registers: bool = False
+
+    @property
+    def key_groups(self) -> int:
+        return self.block_n // WARP_KEYS
+
+    @property
+    def col_splits(self) -> int:
+        """Parts of the queries (S^T) and of head_dim (dK, dV) the warps of a key group take."""
+        return self.warps // self.key_groups
+
+    @property
+    def s_cols(self) -> int:
+        return self.block_m // self.col_splits
+
+    @property
+    def kv_cols(self) -> int:
+        return self.head_dim // self.col_splits
+
+    @property
+    def query_groups(self) -> int:
+        return self.block_m // WARP_KEYS
+
+    @property
+    def dq_splits(self) -> int:
+        return self.warps // self.query_groups
+
+    @property
+    def dq_cols(self) -> int:
+        return self.head_dim // self.dq_splits
+
+    @property
+    def row_pitch_bytes(self) -> int:
+        """Q, K, V, dO rows: as the forward's (an odd number of 16-byte vectors)."""
+        return self.head_dim * ELEMENT_BYTES + VECTOR_BYTES
+
+    @property
+    def p_row_pitch_bytes(self) -> int:
+        """P^T and dS^T rows (block_m elements), padded the same way."""
+        return self.block_m * ELEMENT_BYTES + VECTOR_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        kv = 2 * self.block_n * self.row_pitch_bytes
+        stage = 2 * self.block_m * self.row_pitch_bytes + 2 * self.block_m * 4  # Q, dO, LSE, D
+        return kv + self.stages * stage + 2 * self.block_n * self.p_row_pitch_bytes
+
+    @property
+    def estimated_registers(self) -> int:
+        """dK and dV (16 keys x kv_cols each) and S^T, dP^T (16 keys x s_cols each), per thread,
+        and with kv_in_registers this warp's K and V rows (16 x head_dim each)."""
+        kv = 2 * WARP_KEYS * self.head_dim // 64 if self.kv_in_registers else 0  # 16-bit pairs
+        return 2 * WARP_KEYS * (self.kv_cols + self.s_cols) // 32 + kv + REGISTER_OVERHEAD
+
+    def problems(self, max_smem: int) -> list[str]:
+        out: list[str] = []
+        if self.head_dim % MMA_K:
+            out.append(f"head_dim={self.head_dim}: the FA2 backward needs a multiple of {MMA_K}")
+        if self.warps not in WARP_CHOICES:
+            out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
+        if self.block_n % WARP_KEYS or self.block_m % WARP_KEYS:
+            out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}): both must be "
+                       f"multiples of {WARP_KEYS}")
+        if self.stages not in STAGE_CHOICES:
+            out.append(f"tile.stages={self.stages}: must be one of {STAGE_CHOICES}")
+        if out:
+            return out
+        if self.key_groups > self.warps or self.warps % self.key_groups:
+            out.append(f"tile.block_n={self.block_n}: {self.key_groups} groups of {WARP_KEYS} keys "
+                       f"must divide tile.warps={self.warps}")
+        elif self.query_groups > self.warps or self.warps % self.query_groups:
+            out.append(f"tile.block_m={self.block_m}: {self.query_groups} groups of "
+                       f"{WARP_KEYS} queries must divide tile.warps={self.warps}")
+        else:
+            for name, cols in (("S^T columns", self.s_cols), ("dK/dV columns", self.kv_cols),
+                               ("dQ columns", self.dq_cols)):
+                if cols % 16 or cols <= 0:
+                    out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}, warps="
+                               f"{self.warps}) gives {cols} {name} per warp at head_dim="
+                               f"{self.head_dim}; must be a multiple of 16 (ldmatrix pairs)")
+        if out:
+            return out
+        out.extend(smem_limit_problems(self, max_smem))
+        if self.estimated_registers > MAX_REGISTERS_PER_THREAD:
+            out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}, warps={self.warps}) "
+                       f"needs about {self.estimated_registers} registers per thread at head_dim="
+                       f"{self.head_dim}; the limit is {MAX_REGISTERS_PER_THREAD}")
+        return out
+
+
+class Fa2BackwardSpec(KernelSpec):
+    FA_VERSION: ClassVar[int] = 2
+    DIRECTION: ClassVar[str] = "bwd"
+    TEMPLATE: ClassVar[str] = "fa2_bwd_sm80.cu.j2"
+    ARCHS: ClassVar[tuple[Arch, ...]] = Fa2ForwardSpec.ARCHS
+    WHY_ARCHS: ClassVar[str] = Fa2ForwardSpec.WHY_ARCHS
+    REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HMMA", "LDSM", "LDGSTS")
+
+    fa_version: Literal[2]
+    direction: Literal["bwd"]
+    tile: Fa2BwdTile
+
+    @staticmethod
+    def geometry_of(head_dim: int, tile: Fa2BwdTile) -> Fa2BwdGeometry:
+        return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
+                              tile.kv_in_registers)
+
+    @property
+    def geometry(self) -> Fa2BwdGeometry:
+        return self.geometry_of(self.head_dim, self.tile)
+
+    def algorithm_constexprs(self) -> list[Constexpr]:
+        g = self.geometry
+        return [
+            Constexpr("kBlockM", g.block_m),
+            Constexpr("kBlockN", g.block_n),
+            Constexpr("kWarps", g.warps),
+            Constexpr("kThreads", g.threads),
+            Constexpr("kStages", g.stages),
+            Constexpr("kKVInRegisters", g.kv_in_registers),
+            Constexpr("kRowPitchBytes", g.row_pitch_bytes),
+            Constexpr("kPRowPitchBytes", g.p_row_pitch_bytes),
+            Constexpr("kSmemBytes", g.smem_bytes),
+            # sm_90 adds dQ's column pairs in one vector reduction (ptx/red.cuh).
+            Constexpr("kPairedReductions", ARCHS[self.arch].compute_capability >= (9, 0)),
+            Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
+            Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
+        ]
+
+    def launch(self) -> contract.Launch:
+        g = self.geometry
+        return contract.Launch(threads=g.threads, block_m=g.block_m, block_n=g.block_n,
+                               dynamic_smem=g.smem_bytes, grid="key_blocks")

@@ -1,0 +1,116 @@
+"""flash_attn_func: flash-attn's calling convention on fagen's kernels, forward and backward.
+
+The checks a call must pass before anything is traced or launched (options fagen does not
+implement, the mask flag, the softmax scale), then the fastest route to the kernels: plain
+eager calls go straight to the implementation (with an autograd.Function when a gradient is
+recorded), traced calls (torch.compile, export, fake or other dispatch modes, tensor
+subclasses) through the custom ops `fagen::flash_attn_fwd` / `fagen::flash_attn_bwd`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .. import contract
+from ..runtime import Bundle
+from .adapter import _flash_attn_fwd, flash_attn_fwd, get_bundle
+from .backward import FlashAttention
+
+# flash-attn's flash_attn_func options fagen does not implement, with the value that means "off":
+# that value is accepted (it changes nothing), any other is refused rather than ignored.
+_UNSUPPORTED_OPTIONS = {
+    "dropout_p": (0.0, "fagen's kernels have no dropout"),
+    "window_size": ((-1, -1), "fagen's kernels have no sliding-window mask"),
+    "softcap": (0.0, "fagen's kernels do not cap the scores"),
+    "alibi_slopes": (None, "fagen's kernels have no ALiBi bias"),
+    "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
+}
+
+
+def _check_options(extra_positional: tuple, options: dict) -> None:
+    if extra_positional:
+        raise TypeError(
+            "fagen.flash_attn_func takes q, k and v positionally and everything else by keyword "
+            f"(causal=..., softmax_scale=...); got {len(extra_positional)} more positional "
+            "argument(s). flash-attn's 4th positional argument is dropout_p, which fagen does "
+            "not support")
+    for name, value in options.items():
+        if name not in _UNSUPPORTED_OPTIONS:
+            raise TypeError(f"fagen.flash_attn_func got an unexpected keyword argument {name!r}")
+        off, why = _UNSUPPORTED_OPTIONS[name]
+        if not _is_off(value, off):
+            raise NotImplementedError(
+                f"fagen.flash_attn_func: {name}={value!r} is not supported ({why}); only "
+                f"{name}={off!r} is accepted")
+
+
+def _is_off(value, off) -> bool:
+    if off is None or isinstance(off, bool):
+        return value is off
+    if isinstance(off, tuple):
+        return isinstance(value, (tuple, list)) and tuple(value) == off
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == off
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *extra_positional,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    bundle: str | os.PathLike | Bundle | None = None,
+    **flash_attn_options,
+):
+    """Attention in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k and v
+    (batch, seqlen_k, nheads_kv, head_dim), fp16 or bf16 on one CUDA device; differentiable in
+    q, k and v. Everything after q, k, v is keyword-only.
+
+    nheads_q must be a multiple of nheads_kv (GQA/MQA; dk, dv are summed over the query heads a
+    K/V head serves). `causal` (a bool) masks bottom-right aligned (query row i sees keys
+    j <= i + seqlen_k - seqlen_q, as flash-attn >= 2.1); a row that sees no key gives zeros, LSE
+    -inf and zero gradients. `softmax_scale` defaults to 1/sqrt(head_dim); any finite scale >= 0
+    works (0: uniform attention over the keys a row sees); negative, inf and NaN are refused.
+    `deterministic` makes the backward sum dQ in a fixed order (the same gradients, bit for bit,
+    on every run; slower). `bundle` is a bundle directory or a loaded Bundle; default
+    $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p, window_size, softcap,
+    alibi_slopes and return_attn_probs are accepted only at their "off" values.
+
+    Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
+    LSE (batch, nheads_q, seqlen_q) in float32 (not differentiable).
+    """
+    if extra_positional or flash_attn_options:
+        _check_options(extra_positional, flash_attn_options)
+    if not isinstance(causal, bool):
+        raise TypeError(f"fagen.flash_attn_func: causal must be True or False, got {causal!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"fagen.flash_attn_func: deterministic must be True or False, got "
+                        f"{deterministic!r}")
+    if isinstance(bundle, Bundle):
+        get_bundle(bundle)
+        bundle = str(bundle.path)
+    elif bundle is not None:
+        bundle = os.fspath(bundle)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"fagen.flash_attn_func: softmax_scale must be a number or None, got "
+                            f"{softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
+        contract.kernel_scale_log2(softmax_scale, q.shape[-1])  # refused before tracing or launch
+    eager = (
+        not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    )
+    if not eager:
+        out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale, bundle, deterministic)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = FlashAttention.apply(q, k, v, causal, softmax_scale, bundle, deterministic)
+    else:
+        out, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, bundle)
+    return (out, lse) if return_lse else out

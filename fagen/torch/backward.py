@@ -1,0 +1,111 @@
+"""The backward of flash_attn_func: the custom op ``fagen::flash_attn_bwd`` (with its fake
+implementation), the autograd of the forward op, and the autograd.Function of the eager path.
+
+The forward saves q, k, v, out and the LSE (no O(N^2) tensor); the backward recomputes the
+probabilities from them block by block (fagen.runtime.call.attention_backward). The LSE is not
+differentiable, as in flash-attn. A gradient that autograd does not need is not returned.
+"""
+
+# No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
+from typing import Optional
+
+import torch
+
+from ..runtime import call as runtime_call
+from ..runtime import driver
+from .adapter import (
+    _check_device, _check_inputs, _current_stream, _flash_attn_fwd, _kernel_ready, _problem,
+    _tensor, flash_attn_fwd, get_bundle,
+)
+
+
+def _flash_attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: Optional[float],
+    bundle: Optional[str],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v)
+    _check_device(q, k, v)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    problem = _problem(q, k, causal)
+    if problem.seqlen_k == 0 or dq.numel() == 0:
+        # No score depends on any input: every gradient is zero.
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    device = q.device.index
+    kernels = get_bundle(bundle)
+    entry = runtime_call.select_backward(kernels, problem, device)
+    with driver.primary_context(device):
+        q, k, v, out, dout = (_kernel_ready(t) for t in (q, k, v, out, dout))
+        lse = lse.contiguous()
+        sizes = runtime_call.backward_workspace(entry, problem)
+        workspace = torch.empty(sizes.floats, dtype=torch.float32, device=q.device)
+        semaphores = (torch.zeros(sizes.semaphores, dtype=torch.int32, device=q.device)
+                      if deterministic else None)
+        tensors = runtime_call.BackwardTensors(
+            q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
+            dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
+        runtime_call.attention_backward(
+            kernels, problem, tensors, workspace=workspace.data_ptr(),
+            semaphores=0 if semaphores is None else semaphores.data_ptr(),
+            softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
+            entry=entry)
+    return dq, dk, dv
+
+
+flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, bundle, deterministic):
+    _check_inputs(q, k, v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _needed(ctx, grads: tuple) -> tuple:
+    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, softmax_scale, bundle, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (causal, softmax_scale, bundle, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return (*_needed(ctx, grads), None, None, None, None)
+
+
+flash_attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class FlashAttention(torch.autograd.Function):
+    """The eager path's autograd: the same kernels as the op, without the dispatcher (whose
+    first call would import torch._dynamo, seconds)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, bundle, deterministic):
+        out, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, bundle)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, softmax_scale, bundle, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
+        return (*_needed(ctx, grads), None, None, None, None)
+

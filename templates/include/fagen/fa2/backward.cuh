@@ -1,0 +1,524 @@
+// FlashAttention-2 backward on mma.sync (sm_80 and later): recomputation from the forward's LSE,
+// parallel over key blocks (FlashAttention-2, section 3.2; Algorithm 2 of FlashAttention-1 with
+// the loops swapped per CTA).
+//
+// Three kernels of one cubin, run in order (fagen/contract.py, "Backward kernels"):
+//   preprocess  per query row: D = rowsum(dO * O) in fp32, LSE in base 2 (+inf for a row that
+//               saw no key, so that its probabilities come out 0), dQ's fp32 accumulator zeroed.
+//   main        one CTA per (key block j, K/V head, batch). K_j and V_j stay in shared memory;
+//               dK_j and dV_j accumulate in registers while the CTA walks every query block i of
+//               every query head its K/V head serves (GQA: the group's sum, with no copy of K/V
+//               per query head), from the first block whose rows see key j (causal) on. Per
+//               block:  S^T = K_j Q_i^T, P^T = exp2(S^T scale_log2 - LSE_i),
+//                       dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i),
+//               P^T and dS^T go to shared memory (in the element type), then
+//                       dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j
+//               with dQ_i added to the fp32 accumulator in global memory: atomics, or in key-block
+//               order behind a counter per query block (deterministic mode).
+//   dq          dQ = softmax_scale * accumulator, in the element type.
+//
+// Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of 16 keys times
+// kColSplits column parts (of the queries for S^T, of head_dim for dK / dV), and dQ by
+// kQueryGroups groups of 16 queries times kDqSplits parts of head_dim.
+//
+// Shared memory: K_j, V_j (block_n rows each), then kStages stages of Q_i, dO_i (block_m rows
+// each), LSE_i and D_i (block_m floats each), then P^T and dS^T (block_n rows of block_m).
+// Rows of head_dim elements have the forward's padded pitch; P^T / dS^T rows one 16-byte vector
+// more than block_m elements, for the same reason (ldmatrix without bank conflicts).
+#pragma once
+#include "fagen/types.cuh"
+
+#include "fagen/algo/fragment.cuh"
+#include "fagen/algo/smem_rows.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+#include "fagen/ptx/cp_async.cuh"
+#include "fagen/ptx/ex2.cuh"
+#include "fagen/ptx/ldmatrix.cuh"
+#include "fagen/ptx/red.cuh"
+
+namespace fagen::fa2 {
+
+template <class Config>
+struct Backward {
+    using Element = typename Config::Element;
+    using Ops = ElementOps<Element>;
+
+    static constexpr int kThreads = Config::kThreads;
+    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kBlockM = Config::kBlockM;
+    static constexpr int kBlockN = Config::kBlockN;
+    static constexpr int kPitch = Config::kRowPitchBytes;    // Q, K, V, dO rows
+    static constexpr int kPPitch = Config::kPRowPitchBytes;  // P^T, dS^T rows
+    static constexpr int kKeyGroups = kBlockN / 16;
+    static constexpr int kColSplits = Config::kWarps / kKeyGroups;
+    static constexpr int kSTiles = kBlockM / kColSplits / 8;     // n8 tiles of S^T per warp
+    static constexpr int kKVCols = kHeadDim / kColSplits;        // dK / dV columns per warp
+    static constexpr int kKVTiles = kKVCols / 8;
+    static constexpr int kQueryGroups = kBlockM / 16;
+    static constexpr int kDqSplits = Config::kWarps / kQueryGroups;
+    static constexpr int kDqCols = kHeadDim / kDqSplits;
+    // dQ is computed in chunks of at most 64 columns (see the main loop): the widest multiple of
+    // 16 up to 64 that divides a warp's columns.
+    static constexpr __host__ __device__ int dq_chunk_cols() {
+        int cols = 64;
+        while (kDqCols % cols) cols -= 16;
+        return cols;
+    }
+    static constexpr int kDqChunkCols = dq_chunk_cols();
+    static constexpr int kDqChunkTiles = kDqChunkCols / 8;
+    static constexpr int kDSteps = kHeadDim / 16;  // k16 steps over head_dim
+    static constexpr int kMSteps = kBlockM / 16;   // over the queries of a block
+    static constexpr int kNSteps = kBlockN / 16;   // over the keys of a block
+
+    static_assert(kKeyGroups * kColSplits == Config::kWarps, "warps = key groups x column parts");
+    static_assert(kQueryGroups * kDqSplits == Config::kWarps, "warps = query groups x dQ parts");
+    static_assert(kSTiles % 2 == 0 && kKVTiles % 2 == 0 && kDqChunkTiles % 2 == 0 &&
+                      kDqCols % kDqChunkCols == 0,
+                  "ldmatrix.x4 loads operand pairs of n8 tiles");
+    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1 && kPPitch % 16 == 0 &&
+                      (kPPitch / 16) % 2 == 1,
+                  "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
+    static_assert(Config::kStages == 1 || Config::kStages == 2);
+
+    // Shared-memory layout (byte offsets, fagen/spec/fa2_bwd.py re-derives them).
+    static constexpr int kTileBytes = kBlockN * kPitch;           // K_j or V_j
+    static constexpr int kQTileBytes = kBlockM * kPitch;          // Q_i or dO_i
+    static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kBlockM * 4;
+    static constexpr int kStagesOffset = 2 * kTileBytes;
+    static constexpr int kPOffset = kStagesOffset + Config::kStages * kStageBytes;
+    static constexpr int kPTileBytes = kBlockN * kPPitch;
+    static_assert(kPOffset + 2 * kPTileBytes == Config::kSmemBytes);
+
+    struct Smem {
+        uint32_t base;
+        __device__ uint32_t k() const { return base; }
+        __device__ uint32_t v() const { return base + kTileBytes; }
+        __device__ uint32_t q(int stage) const { return base + kStagesOffset + stage * kStageBytes; }
+        __device__ uint32_t dout(int stage) const { return q(stage) + kQTileBytes; }
+        __device__ uint32_t lse(int stage) const { return q(stage) + 2 * kQTileBytes; }
+        __device__ uint32_t d(int stage) const { return lse(stage) + kBlockM * 4; }
+        __device__ uint32_t p() const { return base + kPOffset; }
+        __device__ uint32_t ds() const { return base + kPOffset + kPTileBytes; }
+    };
+
+    // ---------------------------------------------------------------- preprocess
+    // Warp per row: D = rowsum(dO * O), LSE * log2(e), dQ accumulator row = 0.
+    static __device__ void preprocess(const FagenBwdParams& p) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int head = blockIdx.y, batch = blockIdx.z;
+        constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
+        constexpr float kLog2e = 1.4426950408889634f;
+        const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+        for (int r = warp; r < Config::kBwdRowsPerCta; r += Config::kBwdRowThreads / 32) {
+            const int row = blockIdx.x * Config::kBwdRowsPerCta + r;
+            if (row >= p.seqlen_q) break;
+            const Element* o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
+                               head * p.o_head_stride + row * p.o_row_stride;
+            const Element* dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                                  head * p.do_head_stride + row * p.do_row_stride;
+            float sum = 0.f;
+            for (int vec = lane; vec < kVecs; vec += 32) {
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + vec * 8);
+                const uint4 dv = *reinterpret_cast<const uint4*>(dout + vec * 8);
+                sum += dot8<Element>(ov, dv);
+            }
+#pragma unroll
+            for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            float* accum = p.dq_accum + (head_row0 + row) * kHeadDim;
+            for (int i = lane; i < kHeadDim / 4; i += 32) {
+                reinterpret_cast<float4*>(accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            if (lane == 0) {
+                const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+                p.softmax_d[head_row0 + row] = sum;
+                p.lse_log2[head_row0 + row] = lse == algo::neg_inf() ? -algo::neg_inf() : lse * kLog2e;
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- dq
+    static __device__ void convert_dq(const FagenBwdParams& p) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int head = blockIdx.y, batch = blockIdx.z;
+        const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+        for (int r = warp; r < Config::kBwdRowsPerCta; r += Config::kBwdRowThreads / 32) {
+            const int row = blockIdx.x * Config::kBwdRowsPerCta + r;
+            if (row >= p.seqlen_q) break;
+            const float* accum = p.dq_accum + (head_row0 + row) * kHeadDim;
+            Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
+                          head * p.dq_head_stride + row * p.dq_row_stride;
+            for (int i = lane; i < kHeadDim / 2; i += 32) {
+                const float2 g = reinterpret_cast<const float2*>(accum)[i];
+                reinterpret_cast<uint32_t*>(dq)[i] = Ops::pack(g.x * p.softmax_scale, g.y * p.softmax_scale);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- warp products
+    // acc (16 x 8*kN) += A (16 x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,
+    // row-major at `b`): the per-lane ldmatrix addresses are folded into `a` and `b`.
+    template <int kN>
+    static __device__ __forceinline__ void warp_product_nt(float (&acc)[1][kN][4], uint32_t a,
+                                                           uint32_t b) {
+        algo::clear_fragment(acc);
+#pragma unroll 1
+        for (int kk = 0; kk < kDSteps; ++kk) {
+            uint32_t frag_a[4];
+            ptx::ldmatrix_x4(frag_a, a + kk * 32);
+#pragma unroll
+            for (int np = 0; np < kN / 2; ++np) {
+                uint32_t frag_b[4];
+                ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
+                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
+                Ops::mma(acc[0][2 * np], frag_a, lo);
+                Ops::mma(acc[0][2 * np + 1], frag_a, hi);
+            }
+        }
+    }
+
+    // A warp's 16 rows of K or V as mma A fragments, one per k16 step of head_dim (kept in
+    // registers with kKVInRegisters; empty otherwise).
+    struct KeyFragments {
+        uint32_t frag[Config::kKVInRegisters ? kDSteps : 1][4];
+
+        __device__ __forceinline__ void load(uint32_t a) {
+#pragma unroll
+            for (int kk = 0; kk < kDSteps; ++kk) ptx::ldmatrix_x4(frag[kk], a + kk * 32);
+        }
+    };
+
+    // warp_product_nt with A from registers.
+    template <int kN>
+    static __device__ __forceinline__ void warp_product_nt(float (&acc)[1][kN][4],
+                                                           const KeyFragments& a, uint32_t b) {
+        algo::clear_fragment(acc);
+#pragma unroll
+        for (int kk = 0; kk < kDSteps; ++kk) {
+#pragma unroll
+            for (int np = 0; np < kN / 2; ++np) {
+                uint32_t frag_b[4];
+                ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
+                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
+                Ops::mma(acc[0][2 * np], a.frag[kk], lo);
+                Ops::mma(acc[0][2 * np + 1], a.frag[kk], hi);
+            }
+        }
+    }
+
+    // acc (16 x 8*kN) += A (16 x 16*kK, row-major at `a`, P^T / dS^T pitch) * B (16*kK x
+    // 8*kN, row-major at `b` with `b_pitch`, read transposed).
+    template <int kK, int kN>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[1][kN][4], uint32_t a,
+                                                           uint32_t b, int b_pitch) {
+#pragma unroll
+        for (int kk = 0; kk < kK; ++kk) {
+            uint32_t frag_a[4];
+            ptx::ldmatrix_x4(frag_a, a + kk * 32);
+#pragma unroll
+            for (int dp = 0; dp < kN / 2; ++dp) {
+                uint32_t frag_b[4];
+                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * b_pitch + dp * 32);
+                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
+                Ops::mma(acc[0][2 * dp], frag_a, lo);
+                Ops::mma(acc[0][2 * dp + 1], frag_a, hi);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- main
+    // LSE or D of a query block into shared memory: `valid` floats of `src`, zeros after them
+    // (plain loads: a 16-byte copy could read past the end of the array, and the rows past
+    // seqlen_q must hold finite values, since 0 * (dP - D) must stay 0).
+    static __device__ __forceinline__ void load_floats(uint32_t dst, const float* src, int valid,
+                                                       int tid) {
+        float* out = static_cast<float*>(__cvta_shared_to_generic(dst));
+        for (int i = tid; i < kBlockM; i += kThreads) out[i] = i < valid ? src[i] : 0.f;
+    }
+
+    static __device__ void run(const FagenBwdParams& p, char* smem_raw) {
+        const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+        const int n_block = key_block_of_cta(p), kv_head = blockIdx.y, batch = blockIdx.z;
+        const int group = p.heads_q / p.heads_kv;
+        const int key_begin = n_block * kBlockN;
+        const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys <= i + offset
+        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        // Causal: the first query block with a row that sees key_begin.
+        const int i_begin = Config::kCausal ? max(0, key_begin - offset) / kBlockM : 0;
+        const int i_count = max(0, m_blocks - i_begin);
+        const int steps = group * i_count;  // (query head, query block) pairs this CTA walks
+
+        const Smem s{static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))};
+        const Element* k = static_cast<const Element*>(p.k) + batch * p.k_batch_stride +
+                           kv_head * p.k_head_stride + key_begin * p.k_row_stride;
+        const Element* v = static_cast<const Element*>(p.v) + batch * p.v_batch_stride +
+                           kv_head * p.v_head_stride + key_begin * p.v_row_stride;
+        const int keys_valid = p.seqlen_k - key_begin;
+
+        const int key_group = warp % kKeyGroups, col_split = warp / kKeyGroups;
+        const int query_group = warp % kQueryGroups, dq_split = warp / kQueryGroups;
+
+        auto step_head = [&](int t) { return kv_head * group + t / i_count; };
+        auto step_block = [&](int t) { return i_begin + t % i_count; };
+        auto head_row0 = [&](int head) {
+            return (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+        };
+        auto load_step = [&](int t, int stage) {
+            const int head = step_head(t), row_begin = step_block(t) * kBlockM;
+            const int rows_valid = p.seqlen_q - row_begin;
+            const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
+                               head * p.q_head_stride + row_begin * p.q_row_stride;
+            const Element* dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                                  head * p.do_head_stride + row_begin * p.do_row_stride;
+            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q, p.q_row_stride,
+                                                                          rows_valid, tid);
+            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.dout(stage), dout,
+                                                                          p.do_row_stride, rows_valid, tid);
+            const long long row0 = head_row0(head) + row_begin;
+            load_floats(s.lse(stage), p.lse_log2 + row0, rows_valid, tid);
+            load_floats(s.d(stage), p.softmax_d + row0, rows_valid, tid);
+        };
+
+        float acc_dk[1][kKVTiles][4];
+        float acc_dv[1][kKVTiles][4];
+        algo::clear_fragment(acc_dk);
+        algo::clear_fragment(acc_dv);
+
+        algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.k(), k, p.k_row_stride, keys_valid, tid);
+        algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.v(), v, p.v_row_stride, keys_valid, tid);
+        if (steps > 0) load_step(0, 0);
+        ptx::cp_async_commit_group();
+
+        // Per-lane byte offsets of the ldmatrix row addresses (forward.cuh has the same three):
+        // an A operand read from row-major [m][k] tiles, a B operand from [n][k] (non-transposed)
+        // and a B operand from [k][n] (transposed).
+        const uint32_t a_lane = (lane % 16) * kPitch + (lane / 16) * 16;
+        const uint32_t b_lane = (lane % 8 + 8 * (lane / 16)) * kPitch + ((lane / 8) % 2) * 16;
+        const uint32_t bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + (lane / 16) * 16;
+        // The same over P^T / dS^T rows, and an A operand read transposed from [k][m] (dS from dS^T).
+        const uint32_t pa_lane = (lane % 16) * kPPitch + (lane / 16) * 16;
+        const uint32_t pat_lane = (lane % 8 + 8 * (lane / 16)) * kPPitch + ((lane / 8) % 2) * 16;
+
+        const int warp_key = key_group * 16;            // first key of this warp (within the block)
+        const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
+        // kKVInRegisters: the A operands of S^T and dP^T (this warp's 16 rows of K and V) are the
+        // same in every step, so they are read from shared memory once (a third of the ldmatrix
+        // traffic of those two products).
+        KeyFragments k_frags, v_frags;
+
+        for (int t = 0; t < steps; ++t) {
+            const int stage = Config::kStages == 2 ? t % 2 : 0;
+            ptx::cp_async_wait_group<0>();
+            __syncthreads();  // step t landed; every warp is done with step t-1
+            if constexpr (Config::kStages == 2) {
+                if (t + 1 < steps) load_step(t + 1, (t + 1) % 2);
+                ptx::cp_async_commit_group();
+            }
+            const int head = step_head(t), m_block = step_block(t);
+            const int row_begin = m_block * kBlockM;
+
+            // S^T and dP^T for this warp's 16 keys and its part of the queries, one product
+            // after the other (interleaved, ptxas keeps both operand streams in flight and
+            // spills at head dims 192-256).
+            float acc_s[1][kSTiles][4];
+            float acc_dp[1][kSTiles][4];
+            if constexpr (Config::kKVInRegisters) {
+                if (t == 0) {
+                    k_frags.load(s.k() + a_lane + warp_key * kPitch);
+                    v_frags.load(s.v() + a_lane + warp_key * kPitch);
+                }
+                warp_product_nt(acc_s, k_frags, s.q(stage) + b_lane + warp_query * kPitch);
+                warp_product_nt(acc_dp, v_frags, s.dout(stage) + b_lane + warp_query * kPitch);
+            } else {
+                warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch,
+                                s.q(stage) + b_lane + warp_query * kPitch);
+                warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
+                                s.dout(stage) + b_lane + warp_query * kPitch);
+            }
+
+            // P^T and dS^T, masked (keys past seqlen_k, queries past seqlen_q, causal), into
+            // shared memory as the element type.
+            const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
+            const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
+            const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
+            const bool needs_mask = first_key + 15 >= p.seqlen_k ||
+                                    first_query + kBlockM / kColSplits > p.seqlen_q ||
+                                    (Config::kCausal && first_key + 15 > first_query + offset);
+#pragma unroll
+            for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float pt[2], dst[2];
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h + c);
+                        const int query = warp_query + f.col;
+                        float prob = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][2 * h + c], p.scale_log2, -lse[query]));
+                        float grad = prob * (acc_dp[0][n][2 * h + c] - dsum[query]);
+                        if (needs_mask) {
+                            const int key_abs = first_key + f.row, query_abs = row_begin + query;
+                            const bool masked = key_abs >= p.seqlen_k || query_abs >= p.seqlen_q ||
+                                                (Config::kCausal && key_abs > query_abs + offset);
+                            if (masked) prob = grad = 0.f;
+                        }
+                        pt[c] = prob;
+                        dst[c] = grad;
+                    }
+                    const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                    const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
+                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.p() + at)) = Ops::pack(pt[0], pt[1]);
+                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.ds() + at)) = Ops::pack(dst[0], dst[1]);
+                }
+            }
+            __syncthreads();  // P^T and dS^T of the whole block are in shared memory
+
+            // dV += P^T dO and dK += dS^T Q: this warp's 16 keys, its part of head_dim.
+            const uint32_t kv_col_bytes = col_split * kKVCols * 2;
+            warp_product_nn<kMSteps>(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
+                                     s.dout(stage) + bt_lane + kv_col_bytes, kPitch);
+            warp_product_nn<kMSteps>(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
+                                     s.q(stage) + bt_lane + kv_col_bytes, kPitch);
+
+            // dQ (16 queries x kDqCols) += dS K, added to the accumulator in global memory in
+            // chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV spills at
+            // head_dim 256).
+            DqTurn turn(p, batch, head, m_block, n_block);
+#pragma unroll 1
+            for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
+                const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
+                float acc_dq[1][kDqChunkTiles][4];
+                algo::clear_fragment(acc_dq);
+#pragma unroll 1
+                for (int kk = 0; kk < kNSteps; ++kk) {
+                    uint32_t a_ds[4];
+                    ptx::ldmatrix_x4_trans(a_ds, s.ds() + pat_lane + kk * 16 * kPPitch + query_group * 32);
+#pragma unroll
+                    for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
+                        uint32_t b_k[4];
+                        ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
+                        const uint32_t k_lo[2] = {b_k[0], b_k[1]}, k_hi[2] = {b_k[2], b_k[3]};
+                        Ops::mma(acc_dq[0][2 * dp], a_ds, k_lo);
+                        Ops::mma(acc_dq[0][2 * dp + 1], a_ds, k_hi);
+                    }
+                }
+                add_dq(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
+                       query_group * 16, dq_col, lane, turn.ordered());
+            }
+            turn.pass();
+
+            if constexpr (Config::kStages == 1) {
+                __syncthreads();  // every warp is done with Q_i, dO_i
+                if (t + 1 < steps) load_step(t + 1, 0);
+                ptx::cp_async_commit_group();
+            }
+        }
+        ptx::cp_async_wait_group<0>();
+
+        store_kv(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale,
+                 batch, kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+        store_kv(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
+                 batch, kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+    }
+
+    // Deterministic mode: the CTAs of one query block add their part of dQ in a fixed order.
+    // Each waits for the block's counter to reach its rank, adds with plain loads and stores
+    // past L1, and passes the counter on; so every run sums in the same order. A CTA waits
+    // only for CTAs launched before it (blocks start in launch order), so that a key block
+    // whose predecessor is not resident yet cannot hold the SM the predecessor needs. Without
+    // the mask every key block walks the query blocks from 0, and the order is ascending.
+    // Under it a key block starts at its diagonal query block, so the higher key blocks reach
+    // a query block first: the order is descending, and the key blocks are launched from the
+    // last (ascending, each CTA waited for key block 0 to walk up to it: 3-4.6x the time of
+    // the atomics, run 69). Without a semaphore array the CTAs add with atomics, in any order.
+    static __device__ int key_block_of_cta(const FagenBwdParams& p) {
+        const int cta = blockIdx.x;
+        return Config::kCausal && p.dq_semaphore != nullptr ? static_cast<int>(gridDim.x) - 1 - cta : cta;
+    }
+
+    // How many key blocks add to query block i before key block j does.
+    static __device__ int dq_rank(const FagenBwdParams& p, int i, int j) {
+        if constexpr (!Config::kCausal) return j;
+        // Key blocks 0..last see query block i (each walks every query block with a row that
+        // sees its first key).
+        const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+        const int last_key = (i + 1) * kBlockM - 1 + p.seqlen_k - p.seqlen_q;
+        return min(n_blocks - 1, last_key / kBlockN) - j;
+    }
+
+    struct DqTurn {
+        int* semaphore = nullptr;
+
+        __device__ DqTurn(const FagenBwdParams& p, int batch, int head, int m_block, int n_block) {
+            if (p.dq_semaphore == nullptr) return;
+            const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+            semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.heads_q + head) * m_blocks + m_block;
+            const int rank = dq_rank(p, m_block, n_block);
+            if (threadIdx.x == 0) {
+                while (atomicAdd(semaphore, 0) != rank) {
+                }
+                __threadfence();
+            }
+            __syncthreads();
+        }
+
+        __device__ bool ordered() const { return semaphore != nullptr; }
+
+        __device__ void pass() const {
+            if (semaphore == nullptr) return;
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(semaphore, 1);
+        }
+    };
+
+    // A warp's 16 x 8*kTiles part of dQ_i, at columns col0.., into the accumulator.
+    template <int kTiles>
+    static __device__ __forceinline__ void add_dq(const FagenBwdParams& p,
+                                                  const float (&acc)[1][kTiles][4], long long row0,
+                                                  int rows_valid, int warp_row, int col0, int lane,
+                                                  bool ordered) {
+        float* accum = p.dq_accum + row0 * kHeadDim;
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int row = warp_row + f.row;
+                if (row >= rows_valid) continue;
+                float* at = accum + row * static_cast<long long>(kHeadDim) + col0 + f.col;
+                if (ordered) {
+                    const float2 old = __ldcg(reinterpret_cast<const float2*>(at));
+                    __stcg(reinterpret_cast<float2*>(at),
+                           make_float2(old.x + acc[0][n][2 * h], old.y + acc[0][n][2 * h + 1]));
+                } else if constexpr (Config::kPairedReductions) {
+                    ptx::red_global_add_v2_f32(at, acc[0][n][2 * h], acc[0][n][2 * h + 1]);
+                } else {
+                    atomicAdd(at, acc[0][n][2 * h]);
+                    atomicAdd(at + 1, acc[0][n][2 * h + 1]);
+                }
+            }
+        }
+    }
+
+    static __device__ __forceinline__ void store_kv(const FagenBwdParams& p,
+                                                    const float (&acc)[1][kKVTiles][4], void* out,
+                                                    long long batch_stride, long long row_stride,
+                                                    long long head_stride, float scale, int batch,
+                                                    int kv_head, int first_key, int col0, int lane) {
+        Element* base = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int key = first_key + f.row;
+                if (key < p.seqlen_k) {
+                    *reinterpret_cast<uint32_t*>(base + key * row_stride + col0 + f.col) =
+                        Ops::pack(acc[0][n][2 * h] * scale, acc[0][n][2 * h + 1] * scale);
+                }
+            }
+        }
+    }
+};
+
+}  // namespace fagen::fa2

@@ -1,0 +1,66 @@
+"""fagen inside a real client: a randomly initialised Llama-style model of Hugging Face
+transformers with attn_implementation="fagen", against the same model on "sdpa" and in fp32
+eager attention. Skips without transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_backward import assert_grads_close, require_backward  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def model(attn: str, seqlen: int):
+    import fagen.integrations.transformers  # noqa: F401  (registers "fagen")
+
+    config = transformers.LlamaConfig(
+        vocab_size=576, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=1376, max_position_embeddings=seqlen,
+        attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).cuda()
+
+
+def test_attention_gradients_at_the_models_shapes(bundle):
+    # The layout transformers hands over: (batch, heads, seq, dim) views transposed to
+    # flash-attn's layout, 8 query heads on 2 K/V heads, seqlen a multiple of every block.
+    require_backward(bundle, torch.bfloat16, 64, True)
+    torch.manual_seed(21)
+    q, k, v = (torch.randn(16, heads, 1024, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               .detach().requires_grad_(True) for heads in (8, 2, 2))
+    dout = torch.randn(16, 1024, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert_grads_close(q, k, v, dout, True, scale=1 / math.sqrt(64))
+
+
+def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle):
+    require_backward(bundle, torch.bfloat16, 64, True)
+    seqlen = 1024
+    tokens = torch.randint(0, 576, (4, seqlen + 1), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(3))
+    grads = {}
+    for attn in ("fagen", "sdpa", "eager"):
+        net = model(attn, seqlen)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=attn != "eager"):
+            logits = net(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        grads[attn] = {n: p.grad.float() for n, p in net.named_parameters()}
+    # fp32 eager is the reference; sdpa under bf16 autocast sets the noise each tensor may have.
+    worst = []
+    for name, ref in grads["eager"].items():
+        scale = ref.norm().item() + 1e-12
+        ours = (grads["fagen"][name] - ref).norm().item() / scale
+        theirs = (grads["sdpa"][name] - ref).norm().item() / scale
+        worst.append((ours / max(theirs, 1e-3), name, ours, theirs))
+    worst.sort(reverse=True)
+    ratio, name, ours, theirs = worst[0]
+    assert ratio <= 3, f"{name}: relative error {ours:.3e} against sdpa's {theirs:.3e} (of fp32 eager)"
