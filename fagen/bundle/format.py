@@ -27,7 +27,9 @@ from .._version import __version__
 #    launch.ctas_per_sm (persistent grids are that many CTAs per SM).
 # 3: launch.grid names the grid's shape (replacing launch.persistent and launch.ctas_per_sm);
 #    launch.workspace_floats_per_row (a kernel's fp32 workspace); include/fagen/contract.h.
-SCHEMA_VERSION = 3
+# 4: backward kernels (key "bwd/...", one cubin with three entry points): launch.grid
+#    "key_blocks" and launch.block_n (index.h rows gain block_n).
+SCHEMA_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 
 

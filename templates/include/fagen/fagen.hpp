@@ -52,7 +52,7 @@
 namespace fagen {
 
 // Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
-constexpr int kSchemaVersion = 3;  // 3: index.h rows carry grid and workspace_floats_per_row
+constexpr int kSchemaVersion = 4;  // 3: index.h rows carry grid and workspace_floats_per_row; 4: block_n
 constexpr int kAbiVersion = FAGEN_ABI_VERSION;
 
 class [[nodiscard]] Status {
