@@ -13,6 +13,23 @@ ABI_VERSION = 1
 _c_longlong = ctypes.c_longlong
 
 
+def _strides(*tensors: str) -> list[tuple[str, type]]:
+    return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
+
+
+# The fields both structs end with: the LSE's strides and the problem's sizes and scale.
+_PROBLEM = [
+    ("lse_batch_stride", _c_longlong),
+    ("lse_head_stride", _c_longlong),
+    ("batch", ctypes.c_int),
+    ("heads_q", ctypes.c_int),
+    ("heads_kv", ctypes.c_int),
+    ("seqlen_q", ctypes.c_int),
+    ("seqlen_k", ctypes.c_int),
+    ("scale_log2", ctypes.c_float),
+]
+
+
 class FwdParams(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -20,31 +37,9 @@ class FwdParams(ctypes.Structure):
         ("v", ctypes.c_void_p),
         ("o", ctypes.c_void_p),
         ("lse", ctypes.c_void_p),
-        ("q_batch_stride", _c_longlong),
-        ("q_row_stride", _c_longlong),
-        ("q_head_stride", _c_longlong),
-        ("k_batch_stride", _c_longlong),
-        ("k_row_stride", _c_longlong),
-        ("k_head_stride", _c_longlong),
-        ("v_batch_stride", _c_longlong),
-        ("v_row_stride", _c_longlong),
-        ("v_head_stride", _c_longlong),
-        ("o_batch_stride", _c_longlong),
-        ("o_row_stride", _c_longlong),
-        ("o_head_stride", _c_longlong),
-        ("lse_batch_stride", _c_longlong),
-        ("lse_head_stride", _c_longlong),
-        ("batch", ctypes.c_int),
-        ("heads_q", ctypes.c_int),
-        ("heads_kv", ctypes.c_int),
-        ("seqlen_q", ctypes.c_int),
-        ("seqlen_k", ctypes.c_int),
-        ("scale_log2", ctypes.c_float),
+        *_strides("q", "k", "v", "o"),
+        *_PROBLEM,
     ]
-
-
-def _strides(*tensors: str) -> list[tuple[str, type]]:
-    return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
 
 
 class BwdParams(ctypes.Structure):
@@ -63,14 +58,7 @@ class BwdParams(ctypes.Structure):
         ("lse_log2", ctypes.c_void_p),
         ("dq_semaphore", ctypes.c_void_p),
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
-        ("lse_batch_stride", _c_longlong),
-        ("lse_head_stride", _c_longlong),
-        ("batch", ctypes.c_int),
-        ("heads_q", ctypes.c_int),
-        ("heads_kv", ctypes.c_int),
-        ("seqlen_q", ctypes.c_int),
-        ("seqlen_k", ctypes.c_int),
-        ("scale_log2", ctypes.c_float),
+        *_PROBLEM,
         ("softmax_scale", ctypes.c_float),
     ]
 

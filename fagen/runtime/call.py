@@ -251,10 +251,10 @@ def backward_workspace(entry: KernelEntry, problem: Problem) -> contract.Backwar
                                          problem.head_dim, entry.launch.block_m)
 
 
-def _bwd_params(problem: Problem, t: BackwardTensors, workspace: int, semaphores: int,
+def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardWorkspace,
+                workspace: int, semaphores: int, scale_log2: float,
                 softmax_scale: float | None) -> BwdParams:
     p = problem
-    layout = contract.BackwardWorkspace.of(p.batch, p.heads_q, p.seqlen_q, p.head_dim, 1)
     params = BwdParams(
         q=t.q.data, k=t.k.data, v=t.v.data, o=t.out.data, dout=t.dout.data, lse=t.lse,
         dq=t.dq.data, dk=t.dk.data, dv=t.dv.data,
@@ -262,17 +262,15 @@ def _bwd_params(problem: Problem, t: BackwardTensors, workspace: int, semaphores
         lse_log2=workspace + 4 * layout.lse_log2, dq_semaphore=semaphores or None,
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-        seqlen_k=p.seqlen_k, scale_log2=contract.kernel_scale_log2(softmax_scale, p.head_dim),
+        seqlen_k=p.seqlen_k, scale_log2=scale_log2,
         softmax_scale=contract.default_softmax_scale(p.head_dim) if softmax_scale is None
         else softmax_scale,
     )
-    for name in ("q", "k", "v", "dq", "dk", "dv"):
-        tensor = getattr(t, name)
+    # params.h's stride prefixes: o and do for out and dout.
+    for prefix, tensor in (("q", t.q), ("k", t.k), ("v", t.v), ("o", t.out), ("do", t.dout),
+                           ("dq", t.dq), ("dk", t.dk), ("dv", t.dv)):
         for dim, stride in zip(("batch", "row", "head"), tensor.strides):
-            setattr(params, f"{name}_{dim}_stride", stride)
-    for name, tensor in (("o", t.out), ("do", t.dout)):
-        for dim, stride in zip(("batch", "row", "head"), tensor.strides):
-            setattr(params, f"{name}_{dim}_stride", stride)
+            setattr(params, f"{prefix}_{dim}_stride", stride)
     return params
 
 
@@ -288,7 +286,7 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
     if problem.seqlen_k == 0 or problem.batch * problem.seqlen_q * problem.heads_q == 0:
         raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
                              "gradients of an empty attention are zeros, which the caller writes)")
-    contract.kernel_scale_log2(softmax_scale, problem.head_dim)
+    scale_log2 = contract.kernel_scale_log2(softmax_scale, problem.head_dim)
     entry = entry or select_backward(bundle, problem, device)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv)
@@ -300,7 +298,8 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
         _check_tensor(name, getattr(tensors, name), False)
     if not workspace:
         raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
-    params = _bwd_params(problem, tensors, workspace, semaphores, softmax_scale)
+    params = _bwd_params(problem, tensors, backward_workspace(entry, problem), workspace, semaphores,
+                         scale_log2, softmax_scale)
     kernel = bundle.kernel(entry)
     with driver.primary_context(device):
         kernel.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows,

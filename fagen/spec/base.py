@@ -235,10 +235,16 @@ class KernelSpec(BaseModel):
 
     # ---- per algorithm ----
 
+    @staticmethod
+    def geometry_of(head_dim: int, tile: TileBase):
+        """The algorithm's derived constants and limits for a head_dim and tile (the tuning
+        table asks before a spec exists)."""
+        raise NotImplementedError
+
     @property
     def geometry(self):
-        """The algorithm's derived constants and limits for this head_dim and tile."""
-        raise NotImplementedError
+        """geometry_of this spec's head_dim and tile."""
+        return self.geometry_of(self.head_dim, self.tile)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         """The constexprs of the algorithm's template beyond the common ones."""

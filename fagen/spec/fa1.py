@@ -105,10 +105,6 @@ class Fa1ForwardSpec(KernelSpec):
     def geometry_of(head_dim: int, tile: Fa1Tile) -> Fa1Geometry:
         return Fa1Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, 1)
 
-    @property
-    def geometry(self) -> Fa1Geometry:
-        return self.geometry_of(self.head_dim, self.tile)
-
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [

@@ -127,10 +127,6 @@ class Fa2ForwardSpec(KernelSpec):
     def geometry_of(head_dim: int, tile: Fa2Tile) -> Fa2Geometry:
         return Fa2Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
 
-    @property
-    def geometry(self) -> Fa2Geometry:
-        return self.geometry_of(self.head_dim, self.tile)
-
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [

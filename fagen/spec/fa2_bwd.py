@@ -150,10 +150,6 @@ class Fa2BackwardSpec(KernelSpec):
         return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
                               tile.kv_in_registers)
 
-    @property
-    def geometry(self) -> Fa2BwdGeometry:
-        return self.geometry_of(self.head_dim, self.tile)
-
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [

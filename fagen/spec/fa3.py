@@ -186,10 +186,6 @@ class Fa3ForwardSpec(KernelSpec):
                            tile.pingpong, tile.early_first_qk, tile.peel_masked_blocks,
                            tile.mma_row_sum)
 
-    @property
-    def geometry(self) -> Fa3Geometry:
-        return self.geometry_of(self.head_dim, self.tile)
-
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [

@@ -122,10 +122,6 @@ class Fa4ForwardSpec(KernelSpec):
     def geometry_of(head_dim: int, tile: Fa4Tile) -> Fa4Geometry:
         return Fa4Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
 
-    @property
-    def geometry(self) -> Fa4Geometry:
-        return self.geometry_of(self.head_dim, self.tile)
-
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [

@@ -13,9 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import attention_math  # noqa: E402
-from test_fa2_fwd import poison_allocator  # noqa: E402
-from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
-from fagen.contract import kernel_key  # noqa: E402
+from test_fa2_fwd import poison_allocator, require_kernel  # noqa: E402
+from fagen.torch import flash_attn_func  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,11 +29,7 @@ SIZES = ((1, 1, 1), (2, 17, 17), (1, 1000, 1000), (2, 128, 300), (2, 300, 128), 
 
 
 def require_backward(bundle, dtype, head_dim, causal):
-    key = kernel_key("bwd", {v: k for k, v in DTYPES.items()}[dtype], head_dim, causal)
-    try:
-        bundle.select(key, torch.cuda.get_device_capability())
-    except KernelNotFound as exc:
-        pytest.skip(f"bundle has no {key} for this device: {str(exc).splitlines()[0]}")
+    require_kernel(bundle, dtype, head_dim, causal, direction="bwd")
 
 
 def leaves(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):

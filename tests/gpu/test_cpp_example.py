@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import attention_math  # noqa: E402
+from test_backward import reference_grads  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,14 +156,11 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
         q, dout, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dout", "dq"))
         k, v, dk_cpp, dv_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "v", "dk", "dv"))
 
-        def grads(out_dtype, run):
-            leaves = [t.detach().to(out_dtype).requires_grad_(True) for t in (q, k, v)]
-            out = run(*leaves)
-            return [g.float() for g in torch.autograd.grad(out, leaves, dout.to(out.dtype))]
-
-        ref = grads(torch.float32, lambda *t: attention_math(*t, causal, scale, torch.float32)[0])
-        low = grads(dtype, lambda *t: attention_math(*t, causal, scale, dtype)[0])
-        ours = grads(dtype, lambda *t: flash_attn_func(*t, causal=causal, softmax_scale=scale, bundle=bundle))
+        ref = reference_grads(q, k, v, dout, causal, scale, torch.float32)
+        low = reference_grads(q, k, v, dout, causal, scale, dtype)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal, softmax_scale=scale, bundle=bundle)
+        ours = [g.float() for g in torch.autograd.grad(out, leaves, dout)]
         for name, cpp, r, lo, t in zip(("dq", "dk", "dv"), (dq_cpp, dk_cpp, dv_cpp), ref, low, ours):
             low_error = (lo - r).abs().max().item()
             cpp_error = (cpp.float() - r).abs().max().item()

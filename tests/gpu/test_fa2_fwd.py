@@ -14,8 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import attention_math  # noqa: E402
+from fagen import contract  # noqa: E402
 from fagen.runtime.loader import runs_on  # noqa: E402
-from fagen.torch import KernelNotFound, flash_attn_func, kernel_key  # noqa: E402
+from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,8 +33,9 @@ LONG_SIZE = (1, 4097, 4097)
 HEADS = 3
 
 
-def require_kernel(bundle, dtype, head_dim, causal):
-    key = kernel_key(dtype, head_dim, causal)
+def require_kernel(bundle, dtype, head_dim, causal, direction="fwd"):
+    key = contract.kernel_key(direction, {v: k for k, v in DTYPE_BY_NAME.items()}[dtype], head_dim,
+                              causal)
     try:
         bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:

@@ -22,6 +22,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <climits>
 #include <cmath>
@@ -708,20 +709,14 @@ public:
             return Status::error("fagen: need seqlen_k >= 1 and heads_q (" + std::to_string(a.heads_q) +
                                  ") a multiple of heads_kv (" + std::to_string(a.heads_kv) + ")");
         }
-        if (a.heads_q > FAGEN_MAX_GRID_YZ || a.batch > FAGEN_MAX_GRID_YZ) {
-            return Status::error("fagen: heads_q and batch must each be at most " + std::to_string(FAGEN_MAX_GRID_YZ) +
-                                 " (CUDA grid limit)");
-        }
+        if (Status s = check_grid_limits(a); !s.ok()) return s;
         const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
         if (!scale_log2.ok()) return scale_log2.status();
         auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
-        const Strides q = a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
-        const Strides k = a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
-        const Strides v = a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
-        const Strides o = a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const auto [q, k, v, o] = strides_of(a);
         const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
             {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
         for (const auto& [name, tensor] : tensors) {
@@ -738,14 +733,7 @@ public:
         p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
         p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
         p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
-        p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
-        p.lse_head_stride = a.seqlen_q;
-        p.batch = a.batch;
-        p.heads_q = a.heads_q;
-        p.heads_kv = a.heads_kv;
-        p.seqlen_q = a.seqlen_q;
-        p.seqlen_k = a.seqlen_k;
-        p.scale_log2 = scale_log2.value();
+        fill_problem(p, a, scale_log2.value());
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
@@ -785,10 +773,7 @@ public:
                                  std::to_string(a.heads_q) + ") a multiple of heads_kv (" + std::to_string(a.heads_kv) +
                                  ")");
         }
-        if (a.heads_q > FAGEN_MAX_GRID_YZ || a.batch > FAGEN_MAX_GRID_YZ) {
-            return Status::error("fagen: heads_q and batch must each be at most " + std::to_string(FAGEN_MAX_GRID_YZ) +
-                                 " (CUDA grid limit)");
-        }
+        if (Status s = check_grid_limits(a); !s.ok()) return s;
         if (a.lse == 0 || a.workspace == 0) {
             return Status::error("fagen: the backward needs the forward's lse and a workspace of " +
                                  std::to_string(backward_workspace_bytes(a)) + " bytes");
@@ -797,10 +782,7 @@ public:
         if (!scale_log2.ok()) return scale_log2.status();
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
-        const Strides q = a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
-        const Strides k = a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
-        const Strides v = a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
-        const Strides o = a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+        const auto [q, k, v, o] = strides_of(a);
         const Strides dout = a.dout_strides.value_or(o);
         const Strides dq = a.dq_strides.value_or(q);
         const Strides dk = a.dk_strides.value_or(k);
@@ -835,14 +817,7 @@ public:
             field[1] = tensor->row;
             field[2] = tensor->head;
         }
-        p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
-        p.lse_head_stride = a.seqlen_q;
-        p.batch = a.batch;
-        p.heads_q = a.heads_q;
-        p.heads_kv = a.heads_kv;
-        p.seqlen_q = a.seqlen_q;
-        p.seqlen_k = a.seqlen_k;
-        p.scale_log2 = scale_log2.value();
+        fill_problem(p, a, scale_log2.value());
         p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
                                                       : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
         return kernel.value()->launch_backward(p, stream);
@@ -921,6 +896,36 @@ private:
             }
         }
         return kernel;
+    }
+
+    static Status check_grid_limits(const Attention& a) {
+        if (a.heads_q > FAGEN_MAX_GRID_YZ || a.batch > FAGEN_MAX_GRID_YZ) {
+            return Status::error("fagen: heads_q and batch must each be at most " + std::to_string(FAGEN_MAX_GRID_YZ) +
+                                 " (CUDA grid limit)");
+        }
+        return Status();
+    }
+
+    // q, k, v, out strides: the given ones, else contiguous.
+    static std::array<Strides, 4> strides_of(const Attention& a) {
+        return {a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim)),
+                a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim)),
+                a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim)),
+                a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim))};
+    }
+
+    // The fields FagenFwdParams and FagenBwdParams share: the LSE's layout (batch, heads_q,
+    // seqlen_q contiguous), the sizes and the scale.
+    template <class Params>
+    static void fill_problem(Params& p, const Attention& a, float scale_log2) {
+        p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
+        p.lse_head_stride = a.seqlen_q;
+        p.batch = a.batch;
+        p.heads_q = a.heads_q;
+        p.heads_kv = a.heads_kv;
+        p.seqlen_q = a.seqlen_q;
+        p.seqlen_k = a.seqlen_k;
+        p.scale_log2 = scale_log2;
     }
 
     // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8

@@ -54,6 +54,21 @@ struct AttentionMask {
         return end;
     }
 
+    // Whether query row `row` does not see key `key` (past seqlen_k, or right of the diagonal).
+    __device__ __forceinline__ bool masked(int row, int key) const {
+        bool out = key >= seqlen_k;
+        if constexpr (kCausal) {
+            out = out || key > row + causal_offset();
+        }
+        return out;
+    }
+
+    // The first query row that sees key `key` (< seqlen_k): rows [result, seqlen_q) do.
+    __device__ __forceinline__ int first_row(int key) const {
+        if constexpr (kCausal) return max(0, key - causal_offset());
+        return 0;
+    }
+
     // Sets masked scores to -inf in a row-pair fragment whose rows start at `row_base` and whose
     // columns start at `col_base` (absolute query / key indices).
     template <int kM, int kN>
@@ -68,6 +83,8 @@ struct AttentionMask {
                     const FragmentCoord c = fragment_coord(lane, m, n, i);
                     const int row = row_base + c.row;
                     const int col = col_base + c.col;
+                    // masked(row, col), written out: the call reorders the forward kernels'
+                    // predicates (other SASS than the measured cubins).
                     bool masked = col >= seqlen_k;
                     if constexpr (kCausal) {
                         masked = masked || col > row + causal_offset();

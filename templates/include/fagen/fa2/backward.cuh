@@ -29,6 +29,7 @@
 #include "fagen/types.cuh"
 
 #include "fagen/algo/fragment.cuh"
+#include "fagen/algo/mask.cuh"
 #include "fagen/algo/smem_rows.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
@@ -43,6 +44,7 @@ template <class Config>
 struct Backward {
     using Element = typename Config::Element;
     using Ops = ElementOps<Element>;
+    using Mask = algo::AttentionMask<Config::kCausal>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -241,10 +243,9 @@ struct Backward {
         const int n_block = key_block_of_cta(p), kv_head = blockIdx.y, batch = blockIdx.z;
         const int group = p.heads_q / p.heads_kv;
         const int key_begin = n_block * kBlockN;
-        const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys <= i + offset
+        const Mask mask{p.seqlen_q, p.seqlen_k};
         const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        // Causal: the first query block with a row that sees key_begin.
-        const int i_begin = Config::kCausal ? max(0, key_begin - offset) / kBlockM : 0;
+        const int i_begin = mask.first_row(key_begin) / kBlockM;  // the first block that sees key_begin
         const int i_count = max(0, m_blocks - i_begin);
         const int steps = group * i_count;  // (query head, query block) pairs this CTA walks
 
@@ -341,9 +342,8 @@ struct Backward {
             const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
             const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
             const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
-            const bool needs_mask = first_key + 15 >= p.seqlen_k ||
-                                    first_query + kBlockM / kColSplits > p.seqlen_q ||
-                                    (Config::kCausal && first_key + 15 > first_query + offset);
+            const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
+                                    mask.block_needs_mask(first_key / 16, first_query, 16);
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {
 #pragma unroll
@@ -357,8 +357,7 @@ struct Backward {
                         float grad = prob * (acc_dp[0][n][2 * h + c] - dsum[query]);
                         if (needs_mask) {
                             const int key_abs = first_key + f.row, query_abs = row_begin + query;
-                            const bool masked = key_abs >= p.seqlen_k || query_abs >= p.seqlen_q ||
-                                                (Config::kCausal && key_abs > query_abs + offset);
+                            const bool masked = query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs);
                             if (masked) prob = grad = 0.f;
                         }
                         pt[c] = prob;
@@ -382,7 +381,7 @@ struct Backward {
             // dQ (16 queries x kDqCols) += dS K, added to the accumulator in global memory in
             // chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV spills at
             // head_dim 256).
-            DqTurn turn(p, batch, head, m_block, n_block);
+            DqTurn turn(p, mask, batch, head, m_block, n_block);
 #pragma unroll 1
             for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
                 const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
@@ -436,23 +435,22 @@ struct Backward {
     }
 
     // How many key blocks add to query block i before key block j does.
-    static __device__ int dq_rank(const FagenBwdParams& p, int i, int j) {
+    static __device__ int dq_rank(const Mask& mask, int i, int j) {
         if constexpr (!Config::kCausal) return j;
         // Key blocks 0..last see query block i (each walks every query block with a row that
-        // sees its first key).
-        const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-        const int last_key = (i + 1) * kBlockM - 1 + p.seqlen_k - p.seqlen_q;
-        return min(n_blocks - 1, last_key / kBlockN) - j;
+        // sees its first key); the last one is the block of the last key its last row sees.
+        return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
     }
 
     struct DqTurn {
         int* semaphore = nullptr;
 
-        __device__ DqTurn(const FagenBwdParams& p, int batch, int head, int m_block, int n_block) {
+        __device__ DqTurn(const FagenBwdParams& p, const Mask& mask, int batch, int head, int m_block,
+                          int n_block) {
             if (p.dq_semaphore == nullptr) return;
             const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
             semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.heads_q + head) * m_blocks + m_block;
-            const int rank = dq_rank(p, m_block, n_block);
+            const int rank = dq_rank(mask, m_block, n_block);
             if (threadIdx.x == 0) {
                 while (atomicAdd(semaphore, 0) != rank) {
                 }
