@@ -73,6 +73,9 @@ STRIDE_MULTIPLE = 8  # batch/row/head strides, in elements (16 bytes of fp16/bf1
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
 TMA_BOX_COLUMNS = 64  # FagenTmaMaps (params.h): boxes of 64 columns, 128-byte swizzle
 ELEMENT_BYTES = 2  # fp16 / bf16
+# FagenBwdTmaMaps.dq_accum: fp32, so a 128-byte swizzle row is 32 columns.
+ACCUM_BYTES = 4
+ACCUM_BOX_COLUMNS = 32
 
 
 def head_dim_problem(head_dim: int) -> str | None:
@@ -188,10 +191,11 @@ class BackwardWorkspace:
 
 @dataclass(frozen=True)
 class Launch:
-    """How a host launches a kernel: block, grid (GRIDS) and the parameters after FagenFwdParams:
-    FagenTmaMaps when tma_q_rows > 0 (box rows of the Q and K/V maps, 64 columns, 128-byte
-    swizzle), then a float* workspace of workspace_floats_per_row floats per query row (of every
-    head and batch) when that is > 0."""
+    """How a host launches a kernel: block, grid (GRIDS) and the parameters after FagenFwdParams
+    (FagenBwdParams for a backward's main kernel): FagenTmaMaps (FagenBwdTmaMaps) when
+    tma_q_rows > 0 (box rows of the Q (and dO, dQ accumulator) and K/V maps, 64 columns (32 of
+    the fp32 accumulator), 128-byte swizzle), then a float* workspace of
+    workspace_floats_per_row floats per query row (of every head and batch) when that is > 0."""
 
     threads: int
     block_m: int
@@ -303,6 +307,8 @@ def render_contract_header() -> str:
         f"#define FAGEN_MAX_GRID_YZ {MAX_GRID_YZ}",
         f"#define FAGEN_TMA_BOX_COLUMNS {TMA_BOX_COLUMNS}",
         f"#define FAGEN_ELEMENT_BYTES {ELEMENT_BYTES}",
+        f"#define FAGEN_ACCUM_BYTES {ACCUM_BYTES}",
+        f"#define FAGEN_ACCUM_BOX_COLUMNS {ACCUM_BOX_COLUMNS}",
         f"#define FAGEN_LOG2_E {LOG2_E!r}",
         "/* The smallest scale_log2 a kernel is launched with (softmax_scale 0 -> uniform",
         "   attention; see fagen/contract.py, kernel_scale_log2). */",

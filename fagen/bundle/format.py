@@ -29,7 +29,9 @@ from .._version import __version__
 #    launch.workspace_floats_per_row (a kernel's fp32 workspace); include/fagen/contract.h.
 # 4: backward kernels (key "bwd/...", one cubin with three entry points): launch.grid
 #    "key_blocks" and launch.block_n (index.h rows gain block_n).
-SCHEMA_VERSION = 4
+# 5: TMA backward kernels (the FA3 backward: launch.tma_q_rows > 0 on a "bwd/..." key), whose
+#    main kernel takes FagenBwdTmaMaps.
+SCHEMA_VERSION = 5
 MANIFEST_NAME = "manifest.json"
 
 

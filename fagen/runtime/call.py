@@ -120,6 +120,25 @@ def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract
     return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
 
 
+def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
+                 dq_accum: int) -> ctypes.Array:
+    """FagenBwdTmaMaps (params.h): Q and dO with boxes of launch.tma_q_rows rows, K and V of
+    launch.tma_kv_rows, as tma_maps(); and the fp32 dQ accumulator at `dq_accum`, (batch,
+    heads_q, seqlen_q, head_dim) contiguous, in boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
+    p = problem
+    row_bytes = p.head_dim * contract.ACCUM_BYTES
+    blob = b"".join((
+        _tensor_map(p.dtype, t.q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
+        _tensor_map(p.dtype, t.k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, t.v, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
+        _encode_tensor_map("fp32", dq_accum, (p.head_dim, p.seqlen_q, p.heads_q, p.batch),
+                           (row_bytes, row_bytes * p.seqlen_q, row_bytes * p.seqlen_q * p.heads_q),
+                           (contract.ACCUM_BOX_COLUMNS, launch.tma_q_rows, 1, 1)),
+    ))
+    return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+
+
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                scale_log2: float) -> FwdParams:
     """FagenFwdParams with o = lse = 0 (the launch fills them); lse is (batch, heads_q,
@@ -294,16 +313,18 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
     if max(grid[1], grid[2], rows[1], rows[2]) > MAX_GRID_YZ:
         raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")
+    tma = entry.launch.tma_q_rows > 0
     for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
-        _check_tensor(name, getattr(tensors, name), False)
+        _check_tensor(name, getattr(tensors, name), tma and name in ("q", "k", "v", "dout"))
     if not workspace:
         raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
     params = _bwd_params(problem, tensors, backward_workspace(entry, problem), workspace, semaphores,
                          scale_log2, softmax_scale)
+    extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum),) if tma else ()
     kernel = bundle.kernel(entry)
     with driver.primary_context(device):
         kernel.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows,
                                  contract.BWD_ROW_THREADS, stream)
-        kernel.enqueue(params, grid, stream, device)
+        kernel.enqueue(params, grid, stream, device, extra)
         kernel.enqueue_companion(contract.BWD_CONVERT_SUFFIX, params, rows,
                                  contract.BWD_ROW_THREADS, stream)

@@ -164,6 +164,7 @@ def set_max_dynamic_smem(kernel, nbytes: int, ordinal: int) -> None:
 _TMA_DATA_TYPES = {
     "fp16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    "fp32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
 }
 TENSOR_MAP_BYTES = 128
 

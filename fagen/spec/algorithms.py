@@ -13,10 +13,12 @@ from .fa1 import Fa1ForwardSpec
 from .fa2 import Fa2ForwardSpec
 from .fa2_bwd import Fa2BackwardSpec
 from .fa3 import Fa3ForwardSpec
+from .fa3_bwd import Fa3BackwardSpec
 from .fa4 import Fa4ForwardSpec
 
 SPEC_CLASSES: tuple[type[KernelSpec], ...] = (
-    Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec, Fa2BackwardSpec)
+    Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec, Fa2BackwardSpec,
+    Fa3BackwardSpec)
 ALGORITHMS: dict[tuple[int, str], type[KernelSpec]] = {
     (c.FA_VERSION, c.DIRECTION): c for c in SPEC_CLASSES}
 

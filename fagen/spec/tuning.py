@@ -23,6 +23,7 @@ from .fa1 import Fa1Tile
 from .fa2 import Fa2Tile
 from .fa2_bwd import Fa2BwdTile
 from .fa3 import Fa3Tile
+from .fa3_bwd import Fa3BwdTile
 from .fa4 import Fa4Tile
 
 if TYPE_CHECKING:
@@ -180,6 +181,18 @@ TABLE: tuple[TuningRow, ...] = (
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
               causal=True),
+    # ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block of 128 keys, two consumer
+    # warpgroups of 64 keys (dK, dV in registers), a producer warpgroup, steps of 64 queries (the
+    # kernel's structure, fagen/spec/fa3_bwd.py). Speeds: H200 run 81 (2026-12-01), 2k / 8k. ----
+    TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 64,
+              "dK + dV 64, S^T + dP^T 64 regs per consumer thread; two Q / dO stages keep the "
+              "next step's loads under this one's MMAs; 114 KB smem. 327 / 367 TFLOP/s non-causal, "
+              "251 / 319 causal (0.78-0.84x cuDNN)"),
+    TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 128,
+              "dK + dV 128, S^T + dP^T 64, P^T fragments 16 regs of the 232 a consumer gets; "
+              "K, V 64 KB + 2 stages of Q, dO 64 KB + two dS^T buffers 32 KB + dQ staging 32 KB "
+              "= 194 KB, so no third stage fits. 485 / 530 TFLOP/s non-causal, 349 / 465 causal "
+              "(0.90-1.02x cuDNN)"),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation

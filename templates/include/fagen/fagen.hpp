@@ -53,7 +53,7 @@
 namespace fagen {
 
 // Newest manifest schema this header reads; the kernel ABI it speaks is params.h's.
-constexpr int kSchemaVersion = 4;  // 3: index.h rows carry grid and workspace_floats_per_row; 4: block_n
+constexpr int kSchemaVersion = 5;  // 3: index.h rows carry grid and workspace_floats_per_row; 4: block_n; 5: FagenBwdTmaMaps
 constexpr int kAbiVersion = FAGEN_ABI_VERSION;
 
 class [[nodiscard]] Status {
@@ -495,17 +495,10 @@ public:
         config.gridDimY = static_cast<unsigned>(params.heads_q);
         config.gridDimZ = static_cast<unsigned>(params.batch);
         if (info_->grid == FAGEN_GRID_PERSISTENT) {
-            CUdevice device = 0;
-            int sms = 0;
-            if (Status s = d.value()->check(d.value()->ctx_get_device(&device), "cuCtxGetDevice"); !s.ok()) return s;
-            if (Status s = d.value()->check(
-                    d.value()->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-                    "cuDeviceGetAttribute");
-                !s.ok()) {
-                return s;
-            }
+            auto sms = multiprocessor_count();
+            if (!sms.ok()) return sms.status();
             const long long tiles = static_cast<long long>(query_blocks) * params.heads_q * params.batch;
-            config.gridDimX = static_cast<unsigned>(tiles < sms ? tiles : sms);
+            config.gridDimX = static_cast<unsigned>(tiles < sms.value() ? tiles : sms.value());
             config.gridDimY = config.gridDimZ = 1;
         } else if (info_->grid == FAGEN_GRID_HEADS) {
             config.gridDimX = static_cast<unsigned>(params.heads_q);
@@ -526,6 +519,22 @@ public:
             "cuLaunchKernelEx");
     }
 
+    // SMs of the current context's device: the size of a persistent grid.
+    static Result<int> multiprocessor_count() {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        CUdevice device = 0;
+        int sms = 0;
+        if (Status s = d.value()->check(d.value()->ctx_get_device(&device), "cuCtxGetDevice"); !s.ok()) return s;
+        if (Status s = d.value()->check(
+                d.value()->device_get_attribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+                "cuDeviceGetAttribute");
+            !s.ok()) {
+            return s;
+        }
+        return sms;
+    }
+
     // Bytes of the fp32 workspace a launch with `params` needs (0: none).
     size_t workspace_bytes(const FagenFwdParams& params) const {
         return sizeof(float) * static_cast<size_t>(info_->workspace_floats_per_row) * params.seqlen_q *
@@ -533,12 +542,16 @@ public:
     }
 
     // A backward (index.h key "bwd/..."): its preprocess, main and dQ kernels (contract.h,
-    // FAGEN_BWD_*) on `stream`, in the calling thread's current context.
-    Status launch_backward(const FagenBwdParams& params, CUstream stream) const {
+    // FAGEN_BWD_*) on `stream`, in the calling thread's current context; `maps` for a TMA
+    // kernel (uses_tma()), else null.
+    Status launch_backward(const FagenBwdParams& params, const FagenBwdTmaMaps* maps, CUstream stream) const {
         auto d = driver();
         if (!d.ok()) return d.status();
         if (preprocess_ == nullptr || convert_ == nullptr) {
             return Status::error(std::string("fagen: kernel ") + info_->name + " is not a backward kernel");
+        }
+        if (uses_tma() && maps == nullptr) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " uses TMA and needs FagenBwdTmaMaps");
         }
         CUlaunchConfig rows{};
         rows.gridDimX = static_cast<unsigned>((params.seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA);
@@ -555,12 +568,13 @@ public:
         main.blockDimY = main.blockDimZ = 1;
         main.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
         main.hStream = stream;
-        void* arguments[1] = {const_cast<FagenBwdParams*>(&params)};
-        const std::tuple<const CUlaunchConfig*, CUkernel, const char*> steps[] = {
-            {&rows, preprocess_, "cuLaunchKernelEx(preprocess)"},
-            {&main, kernel_, "cuLaunchKernelEx"},
-            {&rows, convert_, "cuLaunchKernelEx(dq)"}};
-        for (const auto& [config, kernel, call] : steps) {
+        void* row_arguments[1] = {const_cast<FagenBwdParams*>(&params)};
+        void* main_arguments[2] = {const_cast<FagenBwdParams*>(&params), const_cast<FagenBwdTmaMaps*>(maps)};
+        const std::tuple<const CUlaunchConfig*, CUkernel, void**, const char*> steps[] = {
+            {&rows, preprocess_, row_arguments, "cuLaunchKernelEx(preprocess)"},
+            {&main, kernel_, main_arguments, "cuLaunchKernelEx"},
+            {&rows, convert_, row_arguments, "cuLaunchKernelEx(dq)"}};
+        for (const auto& [config, kernel, arguments, call] : steps) {
             if (Status s = d.value()->check(
                     d.value()->launch_kernel_ex(config, reinterpret_cast<CUfunction>(kernel), arguments, nullptr), call);
                 !s.ok()) return s;
@@ -790,8 +804,11 @@ public:
         const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
             {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}},
             {"dout", {a.dout, dout}}, {"dq", {a.dq, dq}}, {"dk", {a.dk, dk}}, {"dv", {a.dv, dv}}};
+        const bool tma = kernel.value()->uses_tma();
         for (const auto& [name, tensor] : tensors) {
-            if (Status s = check_tensor(name, tensor.first, tensor.second, false); !s.ok()) return s;
+            const bool loaded_by_tma = tma && (name[0] == 'q' || name[0] == 'k' || name[0] == 'v' ||
+                                               std::string(name) == "dout");
+            if (Status s = check_tensor(name, tensor.first, tensor.second, loaded_by_tma); !s.ok()) return s;
         }
         const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
         float* workspace = reinterpret_cast<float*>(a.workspace);
@@ -820,7 +837,25 @@ public:
         fill_problem(p, a, scale_log2.value());
         p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
                                                       : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
-        return kernel.value()->launch_backward(p, stream);
+        if (!tma) return kernel.value()->launch_backward(p, nullptr, stream);
+        FagenBwdTmaMaps maps{};
+        const FagenKernelInfo& info = kernel.value()->info();
+        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, Strides, int> map_specs[] = {
+            {&maps.q, a.q, a.seqlen_q, a.heads_q, q, info.tma_q_rows},
+            {&maps.k, a.k, a.seqlen_k, a.heads_kv, k, info.tma_kv_rows},
+            {&maps.v, a.v, a.seqlen_k, a.heads_kv, v, info.tma_kv_rows},
+            {&maps.dout, a.dout, a.seqlen_q, a.heads_q, dout, info.tma_q_rows},
+        };
+        for (const auto& [map, data, seqlen, heads, strides, box_rows] : map_specs) {
+            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, strides, box_rows);
+                !s.ok()) return s;
+        }
+        const Strides accum{static_cast<long long>(a.heads_q) * a.seqlen_q * a.head_dim, a.head_dim,
+                            static_cast<long long>(a.seqlen_q) * a.head_dim};
+        if (Status s = encode_tensor_map(&maps.dq_accum, a.dtype, reinterpret_cast<CUdeviceptr>(p.dq_accum), a.batch,
+                                         a.seqlen_q, a.heads_q, a.head_dim, accum, info.tma_q_rows, true);
+            !s.ok()) return s;
+        return kernel.value()->launch_backward(p, &maps, stream);
     }
 
     Bundle(Bundle&&) = default;
@@ -948,22 +983,29 @@ private:
 
     // A tiled TMA map over the 4-D tensor (head_dim, seqlen, heads, batch), innermost first:
     // boxes of 64 columns (128 bytes: the swizzle width) by `box_rows` rows, out-of-bounds zeros.
+    // A tiled map of a (batch, seqlen, heads, head_dim) tensor of fp16/bf16 elements (boxes of
+    // FAGEN_TMA_BOX_COLUMNS x box_rows), or with `accumulator` of a backward's fp32 dQ
+    // accumulator (boxes of FAGEN_ACCUM_BOX_COLUMNS x box_rows); 128-byte swizzle.
     static Status encode_tensor_map(FagenTensorMap* out, DType dtype, CUdeviceptr data, int batch, int seqlen, int heads,
-                                    int head_dim, const Strides& strides, int box_rows) {
+                                    int head_dim, const Strides& strides, int box_rows, bool accumulator = false) {
         auto d = driver();
         if (!d.ok()) return d.status();
-        constexpr cuuint64_t element_bytes = FAGEN_ELEMENT_BYTES;
+        const cuuint64_t element_bytes = accumulator ? FAGEN_ACCUM_BYTES : FAGEN_ELEMENT_BYTES;
+        const CUtensorMapDataType type = accumulator         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                         : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
         const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
         const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
                                             cuuint64_t(strides.batch) * element_bytes};
-        const cuuint32_t box[4] = {FAGEN_TMA_BOX_COLUMNS, cuuint32_t(box_rows), 1, 1};
+        const cuuint32_t box[4] = {cuuint32_t(accumulator ? FAGEN_ACCUM_BOX_COLUMNS : FAGEN_TMA_BOX_COLUMNS),
+                                   cuuint32_t(box_rows), 1, 1};
         const cuuint32_t element_strides[4] = {1, 1, 1, 1};
         CUtensorMap map;
         Status s = d.value()->check(
             d.value()->tensor_map_encode_tiled(
-                &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                reinterpret_cast<void*>(data), dims, byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                &map, type, 4, reinterpret_cast<void*>(data), dims, byte_strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
             "cuTensorMapEncodeTiled");
         if (!s.ok()) return s;
         static_assert(sizeof(CUtensorMap) == sizeof(FagenTensorMap), "params.h FagenTensorMap must match CUtensorMap");

@@ -99,6 +99,19 @@ typedef struct FagenTmaMaps {
     FagenTensorMap v;
 } FagenTmaMaps;
 
+// The second parameter of the TMA backward kernels (FA3): Q and dO with boxes of the kernel's
+// block_m rows (the query block of a step), K and V with block_n rows (the CTA's key block),
+// otherwise as FagenTmaMaps; and dQ's fp32 accumulator (FagenBwdParams.dq_accum as a (head_dim,
+// seqlen_q, heads_q, batch) tensor) with boxes of 32 columns (128 bytes) and block_m rows, which
+// the kernel adds its parts of dQ to.
+typedef struct FagenBwdTmaMaps {
+    FagenTensorMap q;
+    FagenTensorMap k;
+    FagenTensorMap v;
+    FagenTensorMap dout;
+    FagenTensorMap dq_accum;
+} FagenBwdTmaMaps;
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,17 +24,25 @@ __device__ __forceinline__ void prefetch_tma_maps(const FagenTmaMaps& maps) {
 }
 
 // The tile is kChunks column chunks of 64 elements (one 128-byte swizzle atom wide), each
-// `rows` rows of 128 bytes, stored one after the other at `dst`. All of it lands on mbarrier
-// `full`, which is told the tile's byte count first; the caller has made sure the slot is free.
+// `rows` rows of 128 bytes, stored one after the other at `dst`, landing on mbarrier `full`; the
+// caller announced the bytes on `full` (several tiles may land on one barrier) and made sure the
+// slot is free.
 template <int kChunks>
-__device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_t dst, int rows,
+__device__ __forceinline__ void tma_copy_tile(const FagenTensorMap& map, uint32_t dst, int rows,
                                               uint32_t full, int row_begin, int head, int batch) {
-    ptx::mbarrier_arrive_expect_tx(full, kChunks * rows * 128);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
         ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * rows * 128, &map, full, c * 64,
                                                       row_begin, head, batch);
     }
+}
+
+// tma_copy_tile of one tile that `full` is told the byte count of first.
+template <int kChunks>
+__device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_t dst, int rows,
+                                              uint32_t full, int row_begin, int head, int batch) {
+    ptx::mbarrier_arrive_expect_tx(full, kChunks * rows * 128);
+    tma_copy_tile<kChunks>(map, dst, rows, full, row_begin, head, batch);
 }
 
 }  // namespace fagen::algo

@@ -4,7 +4,8 @@
 //
 // Three kernels of one cubin, run in order (fagen/contract.py, "Backward kernels"):
 //   preprocess  per query row: D = rowsum(dO * O) in fp32, LSE in base 2 (+inf for a row that
-//               saw no key, so that its probabilities come out 0), dQ's fp32 accumulator zeroed.
+//               saw no key, so that its probabilities come out 0), dQ's fp32 accumulator zeroed
+//               (algo/backward_rows.cuh, shared with the FA3 backward).
 //   main        one CTA per (key block j, K/V head, batch). K_j and V_j stay in shared memory;
 //               dK_j and dV_j accumulate in registers while the CTA walks every query block i of
 //               every query head its K/V head serves (GQA: the group's sum, with no copy of K/V
@@ -15,7 +16,7 @@
 //                       dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j
 //               with dQ_i added to the fp32 accumulator in global memory: atomics, or in key-block
 //               order behind a counter per query block (deterministic mode).
-//   dq          dQ = softmax_scale * accumulator, in the element type.
+//   dq          dQ = softmax_scale * accumulator, in the element type (algo/backward_rows.cuh).
 //
 // Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of 16 keys times
 // kColSplits column parts (of the queries for S^T, of head_dim for dK / dV), and dQ by
@@ -28,6 +29,7 @@
 #pragma once
 #include "fagen/types.cuh"
 
+#include "fagen/algo/backward_rows.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/smem_rows.cuh"
@@ -45,6 +47,7 @@ struct Backward {
     using Element = typename Config::Element;
     using Ops = ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kCausal>;
+    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -103,59 +106,6 @@ struct Backward {
         __device__ uint32_t p() const { return base + kPOffset; }
         __device__ uint32_t ds() const { return base + kPOffset + kPTileBytes; }
     };
-
-    // ---------------------------------------------------------------- preprocess
-    // Warp per row: D = rowsum(dO * O), LSE * log2(e), dQ accumulator row = 0.
-    static __device__ void preprocess(const FagenBwdParams& p) {
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        const int head = blockIdx.y, batch = blockIdx.z;
-        constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
-        constexpr float kLog2e = 1.4426950408889634f;
-        const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
-        for (int r = warp; r < Config::kBwdRowsPerCta; r += Config::kBwdRowThreads / 32) {
-            const int row = blockIdx.x * Config::kBwdRowsPerCta + r;
-            if (row >= p.seqlen_q) break;
-            const Element* o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
-                               head * p.o_head_stride + row * p.o_row_stride;
-            const Element* dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                                  head * p.do_head_stride + row * p.do_row_stride;
-            float sum = 0.f;
-            for (int vec = lane; vec < kVecs; vec += 32) {
-                const uint4 ov = *reinterpret_cast<const uint4*>(o + vec * 8);
-                const uint4 dv = *reinterpret_cast<const uint4*>(dout + vec * 8);
-                sum += dot8<Element>(ov, dv);
-            }
-#pragma unroll
-            for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-            float* accum = p.dq_accum + (head_row0 + row) * kHeadDim;
-            for (int i = lane; i < kHeadDim / 4; i += 32) {
-                reinterpret_cast<float4*>(accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-            if (lane == 0) {
-                const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-                p.softmax_d[head_row0 + row] = sum;
-                p.lse_log2[head_row0 + row] = lse == algo::neg_inf() ? -algo::neg_inf() : lse * kLog2e;
-            }
-        }
-    }
-
-    // ---------------------------------------------------------------- dq
-    static __device__ void convert_dq(const FagenBwdParams& p) {
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        const int head = blockIdx.y, batch = blockIdx.z;
-        const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
-        for (int r = warp; r < Config::kBwdRowsPerCta; r += Config::kBwdRowThreads / 32) {
-            const int row = blockIdx.x * Config::kBwdRowsPerCta + r;
-            if (row >= p.seqlen_q) break;
-            const float* accum = p.dq_accum + (head_row0 + row) * kHeadDim;
-            Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
-                          head * p.dq_head_stride + row * p.dq_row_stride;
-            for (int i = lane; i < kHeadDim / 2; i += 32) {
-                const float2 g = reinterpret_cast<const float2*>(accum)[i];
-                reinterpret_cast<uint32_t*>(dq)[i] = Ops::pack(g.x * p.softmax_scale, g.y * p.softmax_scale);
-            }
-        }
-    }
 
     // ---------------------------------------------------------------- warp products
     // acc (16 x 8*kN) += A (16 x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,

@@ -24,7 +24,8 @@ HEADER = """\
 //  - _ss: A and B from shared memory through matrix descriptors (wgmma_desc.cuh).
 //  - _rs: A from registers in the mma.sync A-fragment layout (ptx/mma_sync.cuh), B by descriptor.
 // `accumulate` = 0 overwrites D (first k-step), 1 adds. kTransposeB = 1 reads B MN-major (N
-// contiguous, e.g. V of P V); 0 reads it K-major (e.g. K of Q K^T).
+// contiguous, e.g. V of P V); 0 reads it K-major (e.g. K of Q K^T). kTransposeA (_ss only) = 1
+// reads A MN-major (M contiguous, e.g. dS from the backward's dS^T tile).
 #pragma once
 #include "fagen/types.cuh"
 
@@ -48,11 +49,13 @@ def _wrapper(n: int, dtype: str, a_from_registers: bool) -> str:
     else:
         a_ops = f"%{regs}"
         b_op, p_op, t_op = f"%{regs + 1}", f"%{regs + 2}", f"%{regs + 3}"
-        tail = f"p, 1, 1, 0, {t_op}"
-        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB)'
+        tail = f"p, 1, 1, %{regs + 4}, {t_op}"
+        inputs = ('"l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB), '
+                  '"n"(kTransposeA)')
         a_param = "unsigned long long desc_a"
+    template_params = "int kTransposeB" if a_from_registers else "int kTransposeB, int kTransposeA"
     return f"""
-template <int kTransposeB>
+template <{template_params}>
 __device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param},
         unsigned long long desc_b, int accumulate) {{
     asm volatile(
@@ -72,16 +75,19 @@ def _dispatch(a_from_registers: bool) -> str:
     kind = "rs" if a_from_registers else "ss"
     a_param = "const uint32_t (&a)[4]" if a_from_registers else "unsigned long long desc_a"
     a_arg = "a" if a_from_registers else "desc_a"
+    transposes = "kTransposeB" if a_from_registers else "kTransposeB, kTransposeA"
     branches = []
     for n in WGMMA_N:
         branches.append(
             f"    {'if' if not branches else '} else if'} constexpr (kN == {n}) {{\n"
-            f"        if constexpr (kBf16) wgmma_m64n{n}k16_{kind}_bf16<kTransposeB>(d, {a_arg}, desc_b, accumulate);\n"
-            f"        else wgmma_m64n{n}k16_{kind}_f16<kTransposeB>(d, {a_arg}, desc_b, accumulate);\n"
+            f"        if constexpr (kBf16) wgmma_m64n{n}k16_{kind}_bf16<{transposes}>(d, {a_arg}, desc_b, accumulate);\n"
+            f"        else wgmma_m64n{n}k16_{kind}_f16<{transposes}>(d, {a_arg}, desc_b, accumulate);\n"
         )
+    signature = ("int kN, bool kBf16, int kTransposeB" if a_from_registers
+                 else "int kN, bool kBf16, int kTransposeB, int kTransposeA = 0")
     return f"""
-// wgmma_{kind}<N, bf16?, transpose B>: the wrapper above for a compile-time N.
-template <int kN, bool kBf16, int kTransposeB>
+// wgmma_{kind}<N, bf16?, transpose B{"" if a_from_registers else "[, transpose A]"}>: the wrapper above for a compile-time N.
+template <{signature}>
 __device__ __forceinline__ void wgmma_{kind}(float (&d)[kN / 8][4], {a_param},
         unsigned long long desc_b, int accumulate) {{
     static_assert({" || ".join(f"kN == {n}" for n in WGMMA_N)}, "no wgmma wrapper for this N");

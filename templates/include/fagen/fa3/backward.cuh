@@ -1,0 +1,585 @@
+// FlashAttention-3 backward on Hopper (sm_90a): the FA2 backward's recomputation (fa2/backward.cuh:
+// a key block's dK and dV stay in registers while it walks the query blocks) with TMA loads into
+// an mbarrier ring, wgmma for all five products, warp specialization with register reallocation
+// (FlashAttention-3 paper, section 3 and its backward) and a persistent grid.
+//
+// Three kernels of one cubin (fagen/contract.py, "Backward kernels"): the row kernels of
+// algo/backward_rows.cuh before and after this file's main kernel.
+//
+// Each CTA walks tiles (key block of 128 keys, K/V head, batch); per tile the query blocks of 64
+// rows of every query head its K/V head serves. Roles (warpgroup = 128 threads):
+//   producer  (warpgroup 0, three roles): one thread loads K_j, V_j per tile and Q_i, dO_i per
+//             step by TMA into a ring of kStages; warp 1 loads LSE_i and D_i (LSE +inf and D 0 for
+//             the rows past seqlen_q, which TMA fills with zeros: their probabilities and dS come
+//             out 0 with no mask); one thread of warp 2 is the dQ writer, which adds the consumers'
+//             parts of dQ_i to the fp32 accumulator in global memory by TMA reductions (in
+//             deterministic mode in key-block order, behind a counter per query block).
+//   consumers (warpgroups 1 and 2): consumer c owns keys c*64 ... c*64+63 of the tile and keeps
+//             dK, dV for them in registers. Per step (query block i):
+//               S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T            (wgmma, both operands in smem)
+//               P^T  = exp2(S^T scale_log2 - LSE_i),  dS^T = P^T (dP^T - D_i)   (registers)
+//               dV_c += P^T dO_i,  dK_c += dS^T Q_i             (wgmma, A from registers)
+//               dS^T to shared memory, then dQ_i += dS K         (wgmma, both MN-major in smem)
+//             and its part of dQ_i into a staging tile for the dQ writer. With head_dim 128 each
+//             consumer takes 64 columns of dQ over all 128 keys (both consumers' dS^T in smem, a
+//             named barrier between them, two dS^T buffers so that the next step's writes never
+//             meet the other consumer's reads); with head_dim 64 each takes all 64 columns over
+//             its own keys (kDqSplitsKeys).
+//
+// Shared memory (every tile 1024-byte aligned for the 128-byte swizzle; offsets from
+// fagen/spec/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
+// buffers (block_n rows of block_m = 64 elements: one swizzle atom wide), one dQ staging tile per
+// consumer (64 rows x 64 fp32 columns, as two TMA boxes of 32 columns), kStages pairs of LSE and
+// D (block_m floats each), then the mbarriers.
+#pragma once
+
+#include "fagen/algo/backward_rows.cuh"
+#include "fagen/algo/fragment.cuh"
+#include "fagen/algo/mask.cuh"
+#include "fagen/algo/tma_tile.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+#include "fagen/ptx/bar.cuh"
+#include "fagen/ptx/cp_async_bulk_commit_group.cuh"
+#include "fagen/ptx/cp_async_bulk_tensor.cuh"
+#include "fagen/ptx/cp_async_bulk_wait_group.cuh"
+#include "fagen/ptx/cp_reduce_async_bulk_tensor.cuh"
+#include "fagen/ptx/ex2.cuh"
+#include "fagen/ptx/fence.cuh"
+#include "fagen/ptx/mbarrier.cuh"
+#include "fagen/ptx/setmaxnreg.cuh"
+#include "fagen/ptx/wgmma.cuh"
+#include "fagen/ptx/wgmma_desc.cuh"
+#include "fagen/ptx/wgmma_sync.cuh"
+#include "fagen/types.cuh"
+
+namespace fagen::fa3 {
+
+template <class Config>
+struct Backward {
+    using Element = typename Config::Element;
+    using Ops = fa2::ElementOps<Element>;
+    using Mask = algo::AttentionMask<Config::kCausal>;
+    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
+                                    Config::kBwdRowThreads>;
+
+    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kBlockM = Config::kBlockM;  // queries per step
+    static constexpr int kBlockN = Config::kBlockN;  // keys per CTA
+    static constexpr int kStages = Config::kStages;
+    static constexpr int kConsumers = 2;
+    static constexpr int kConsumerThreads = kConsumers * 128;
+    static constexpr int kConsumerKeys = kBlockN / kConsumers;  // wgmma m64: one consumer's keys
+    static constexpr int kChunks = kHeadDim / 64;               // 128-byte column chunks
+    static constexpr int kQKSteps = kHeadDim / 16;              // k16 steps of S^T and dP^T
+    static constexpr int kQuerySteps = kBlockM / 16;            // k16 steps of dV and dK
+    static constexpr int kSTiles = kBlockM / 8;                 // n8 tiles of S^T per warp
+    static constexpr int kKVTiles = kHeadDim / 8;               // n8 tiles of dK, dV per warp
+    static constexpr bool kDqSplitsKeys = Config::kDqSplitsKeys;
+    static constexpr int kDqKeys = kDqSplitsKeys ? kConsumerKeys : kBlockN;
+    // dQ columns per consumer: all of head_dim 64 (over its own keys), or half of 128.
+    static constexpr int kDqColumns = kDqSplitsKeys ? kHeadDim : kHeadDim / kConsumers;
+    static constexpr int kDqTiles = kDqColumns / 8;
+    static constexpr int kDqKeySteps = kDqKeys / 16;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
+    static constexpr int kDqBoxColumns = Config::kAccumBoxColumns;  // fp32: 128 bytes, one swizzle row
+    static constexpr uint32_t kDqBoxBytes = kBlockM * kDqBoxColumns * 4;
+    static constexpr uint32_t kDqStageBytes = (kDqColumns / kDqBoxColumns) * kDqBoxBytes;
+    static constexpr uint32_t kAtom = algo::kSwizzleAtomBytes;
+    static constexpr int kRowLoaderLanes = 32;  // the producer warpgroup's warp 1
+
+    static_assert(Config::kThreads == (kConsumers + 1) * 128, "a producer warpgroup + 2 consumers");
+    static_assert(kConsumerKeys == 64, "a consumer's dK, dV rows are one wgmma m64 tile");
+    static_assert(kBlockM == 64, "dS^T rows of 64 elements: one 128-byte swizzle atom wide");
+    static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
+    static_assert(kDqSplitsKeys == (kChunks == 1), "dQ splits the keys only when head_dim is one chunk");
+    static_assert(kDqColumns == 64, "dQ is one 64-column chunk per consumer");
+    static_assert(kDqBoxColumns * 4 == 128, "a box row of the accumulator map is one swizzle row");
+    static_assert(Config::kDsBuffers == (kDqSplitsKeys ? 1 : 2));
+    static_assert(Config::kSmemKOffset == 0 && Config::kSmemVOffset == kKVBytes &&
+                  Config::kSmemQOffset == 2 * kKVBytes &&
+                  Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes &&
+                  Config::kSmemDsOffset == Config::kSmemDoOffset + kStages * kQBytes &&
+                  Config::kSmemDqOffset == Config::kSmemDsOffset + Config::kDsBuffers * kDsBytes &&
+                  Config::kSmemRowsOffset == Config::kSmemDqOffset + kConsumers * kDqStageBytes &&
+                  Config::kSmemBarrierOffset == Config::kSmemRowsOffset + kStages * 2 * kBlockM * 4,
+                  "fagen/spec/fa3_bwd.py lays shared memory out the same way");
+    static_assert(kQBytes % kAtom == 0 && kKVBytes % kAtom == 0 && kDsBytes % kAtom == 0);
+
+    // Named barrier ids; 0 is __syncthreads.
+    enum NamedBarrier : int {
+        kDsReady = 1,          // both consumers' dS^T are in shared memory (256 threads)
+        kConsumerBase = 2,     // + consumer: one consumer's dS^T is (kDqSplitsKeys; 128 threads)
+    };
+
+    struct Smem {
+        uint32_t base;
+        __device__ uint32_t k() const { return base + Config::kSmemKOffset; }
+        __device__ uint32_t v() const { return base + Config::kSmemVOffset; }
+        __device__ uint32_t q(int st) const { return base + Config::kSmemQOffset + st * kQBytes; }
+        __device__ uint32_t dout(int st) const { return base + Config::kSmemDoOffset + st * kQBytes; }
+        __device__ uint32_t ds(int buffer) const { return base + Config::kSmemDsOffset + buffer * kDsBytes; }
+        __device__ uint32_t dq(int consumer) const { return base + Config::kSmemDqOffset + consumer * kDqStageBytes; }
+        __device__ uint32_t lse(int st) const { return base + Config::kSmemRowsOffset + st * 2 * kBlockM * 4; }
+        __device__ uint32_t d(int st) const { return lse(st) + kBlockM * 4; }
+        // mbarriers, 8 bytes each: kv_full, per consumer dq_full and dq_empty (its staging tile),
+        // then per stage full (Q, dO, LSE, D) and empty.
+        __device__ uint32_t kv_full() const { return base + Config::kSmemBarrierOffset; }
+        __device__ uint32_t dq_full(int consumer) const { return kv_full() + 8 * (1 + 2 * consumer); }
+        __device__ uint32_t dq_empty(int consumer) const { return kv_full() + 8 * (2 + 2 * consumer); }
+        __device__ uint32_t full(int st) const { return kv_full() + 8 * (1 + 2 * kConsumers + 2 * st); }
+        __device__ uint32_t empty(int st) const { return kv_full() + 8 * (2 + 2 * kConsumers + 2 * st); }
+    };
+
+    // The walk of one CTA: key block `n_block` of K/V head `kv_head`, over the query blocks
+    // i_begin ... i_begin + i_count - 1 of each query head of the group (the first block whose
+    // rows see the key block's first key on, causal).
+    struct Walk {
+        int n_block, kv_head, batch, group, i_begin, i_count;
+
+        __device__ int key_begin() const { return n_block * kBlockN; }
+        __device__ long long head_row0(const FagenBwdParams& p, int head) const {
+            return (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+        }
+    };
+
+    // One tile (key block, K/V head, batch) per CTA, the key block fastest in launch order (the
+    // grid's x): tiles that run at the same time share their K/V head's Q, dO and dQ in L2 (with
+    // the key block slowest, every head at once, the backward ran at 0.71-0.98x, run 78).
+    // Deterministic mode orders the causal key blocks from the last (fa2/backward.cuh,
+    // key_block_of_cta, says why).
+    static __device__ int key_blocks(const FagenBwdParams& p) { return (p.seqlen_k + kBlockN - 1) / kBlockN; }
+    static __device__ int tile_of_cta() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+
+    static __device__ Walk walk_of_tile(const FagenBwdParams& p, int tile) {
+        Walk w;
+        const int n_blocks = key_blocks(p);
+        const int order = tile % n_blocks, head_of_batch = tile / n_blocks;
+        w.n_block = Config::kCausal && p.dq_semaphore != nullptr ? n_blocks - 1 - order : order;
+        w.kv_head = head_of_batch % p.heads_kv;
+        w.batch = head_of_batch / p.heads_kv;
+        w.group = p.heads_q / p.heads_kv;
+        const Mask mask{p.seqlen_q, p.seqlen_k};
+        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        w.i_begin = mask.first_row(w.key_begin()) / kBlockM;
+        w.i_count = max(0, m_blocks - w.i_begin);
+        return w;
+    }
+
+    template <int kDepth>
+    static __device__ __forceinline__ uint32_t ring_parity(int position) {
+        return static_cast<uint32_t>((position / kDepth) & 1);
+    }
+
+    // ---------------------------------------------------------------- producer
+    // The producer warpgroup's roles, each a loop over the CTA's steps (the query heads of the
+    // group, then the query blocks): one thread issues the TMA loads (K and V once, Q and dO per
+    // step), one warp loads LSE and D, one thread writes dQ. Roles of their own, not one warp
+    // doing all: that loop spilled at 40 registers.
+    template <class Step>
+    static __device__ __forceinline__ void for_each_step(const FagenBwdParams& p, Step&& step) {
+        const Walk w = walk_of_tile(p, tile_of_cta());
+        step.tile(w);
+        const int m_blocks = w.i_begin + w.i_count;
+        int t = 0;  // ring position
+        for (int head = w.kv_head * w.group; head < (w.kv_head + 1) * w.group; ++head) {
+            for (int m_block = w.i_begin; m_block < m_blocks; ++m_block, ++t) step.step(w, head, m_block, t);
+        }
+    }
+
+    struct TmaLoads {
+        const FagenBwdTmaMaps& maps;
+        const Smem& s;
+
+        __device__ void tile(const Walk& w) const {
+            ptx::mbarrier_arrive_expect_tx(s.kv_full(), 2 * kKVBytes);
+            algo::tma_copy_tile<kChunks>(maps.k, s.k(), kBlockN, s.kv_full(), w.key_begin(), w.kv_head, w.batch);
+            algo::tma_copy_tile<kChunks>(maps.v, s.v(), kBlockN, s.kv_full(), w.key_begin(), w.kv_head, w.batch);
+        }
+        __device__ void step(const Walk& w, int head, int m_block, int t) const {
+            const int st = t % kStages;
+            ptx::mbarrier_wait_parity(s.empty(st), ring_parity<kStages>(t) ^ 1);
+            ptx::mbarrier_arrive_expect_tx(s.full(st), 2 * kQBytes);
+            algo::tma_copy_tile<kChunks>(maps.q, s.q(st), kBlockM, s.full(st), m_block * kBlockM, head, w.batch);
+            algo::tma_copy_tile<kChunks>(maps.dout, s.dout(st), kBlockM, s.full(st), m_block * kBlockM, head,
+                                         w.batch);
+        }
+    };
+
+    // Each lane arrives on the stage's full barrier after its own stores (the arrival releases
+    // them).
+    struct RowLoads {
+        const FagenBwdParams& p;
+        const Smem& s;
+        int lane;
+
+        __device__ void tile(const Walk&) const {}
+        __device__ void step(const Walk& w, int head, int m_block, int t) const {
+            const int st = t % kStages;
+            ptx::mbarrier_wait_parity(s.empty(st), ring_parity<kStages>(t) ^ 1);
+            const int row_begin = m_block * kBlockM;
+            const int rows_valid = p.seqlen_q - row_begin;
+            const long long row0 = w.head_row0(p, head) + row_begin;
+            float* lse = static_cast<float*>(__cvta_shared_to_generic(s.lse(st)));
+            float* dsum = static_cast<float*>(__cvta_shared_to_generic(s.d(st)));
+            static_assert(kBlockM == 2 * kRowLoaderLanes);
+#pragma unroll
+            for (int i = lane; i < kBlockM; i += kRowLoaderLanes) {
+                const bool valid = i < rows_valid;
+                lse[i] = valid ? p.lse_log2[row0 + i] : -algo::neg_inf();
+                dsum[i] = valid ? p.softmax_d[row0 + i] : 0.f;
+            }
+            ptx::mbarrier_arrive(s.full(st));
+        }
+    };
+
+    // The dQ writer: per step, once both consumers staged their part of dQ_i, adds them to the
+    // accumulator in global memory with TMA reductions and hands the staging tiles back as soon
+    // as they are read. Deterministic mode: first waits for the query block's counter to reach
+    // this tile's rank, adds the parts one after the other (two reductions of the same elements
+    // in flight may land in either order), waits for them to complete and passes the counter on.
+    struct DqWrites {
+        const FagenBwdParams& p;
+        const FagenBwdTmaMaps& maps;
+        const Smem& s;
+
+        __device__ void tile(const Walk&) const {}
+        __device__ void step(const Walk& w, int head, int m_block, int t) const {
+            const bool ordered = p.dq_semaphore != nullptr;
+            int* semaphore = ordered ? dq_semaphore(p, w, head, m_block) : nullptr;
+            if (ordered) {
+                const Mask mask{p.seqlen_q, p.seqlen_k};
+                const int rank = dq_rank(mask, m_block, w.n_block);
+                while (atomicAdd(semaphore, 0) != rank) {
+                }
+                __threadfence();
+                ptx::fence_proxy_async_global();  // the reductions below come after the wait
+            }
+#pragma unroll
+            for (int consumer = 0; consumer < kConsumers; ++consumer) {
+                ptx::mbarrier_wait_parity(s.dq_full(consumer), t & 1);
+                const int col0 = kDqSplitsKeys ? 0 : consumer * kDqColumns;
+#pragma unroll
+                for (int box = 0; box < kDqColumns / kDqBoxColumns; ++box) {
+                    ptx::cp_reduce_async_bulk_tensor_4d_add(&maps.dq_accum, s.dq(consumer) + box * kDqBoxBytes,
+                                                            col0 + box * kDqBoxColumns, m_block * kBlockM, head,
+                                                            w.batch);
+                }
+                ptx::cp_async_bulk_commit_group();
+                if (ordered && kDqSplitsKeys) ptx::cp_async_bulk_wait_group<0>();
+            }
+            ptx::cp_async_bulk_wait_group_read<0>();
+#pragma unroll
+            for (int consumer = 0; consumer < kConsumers; ++consumer) ptx::mbarrier_arrive(s.dq_empty(consumer));
+            if (ordered) {
+                ptx::cp_async_bulk_wait_group<0>();
+                __threadfence();
+                atomicAdd(semaphore, 1);
+            }
+        }
+    };
+
+    // ---------------------------------------------------------------- consumer
+    // wgmma descriptors at stage 0, k-step 0, built once and advanced per use. Four are kept;
+    // the others differ from them by constants (V follows K and dO the Q stages in shared
+    // memory; the MN-major reads of Q and dO differ from the K-major ones in the leading byte
+    // offset only), which keeps 8 registers free (the causal head_dim 128 kernel spilled with
+    // all eight).
+    struct Descriptors {
+        unsigned long long k_a;   // A of S^T: this consumer's 64 keys of K (K-major)
+        unsigned long long q_b;   // B of S^T: Q (K-major, N = queries)
+        unsigned long long ds_a;  // A of dQ: dS read MN-major from the dS^T tile (M = queries)
+        unsigned long long k_bt;  // B of dQ: K read MN-major (N = head_dim, K = keys)
+
+        static constexpr unsigned long long kMnMajor =
+            static_cast<unsigned long long>(((kBlockM * 128) >> 4) - (16 >> 4)) << 16;
+        __device__ unsigned long long v_a() const { return k_a + (kKVBytes >> 4); }  // A of dP^T
+        __device__ unsigned long long do_b() const { return q_b + ((kStages * kQBytes) >> 4); }  // B of dP^T
+        __device__ unsigned long long q_bt() const { return q_b + kMnMajor; }  // B of dK: Q MN-major
+        __device__ unsigned long long do_bt() const { return do_b() + kMnMajor; }  // B of dV
+    };
+
+    static __device__ Descriptors descriptors(const Smem& s, int consumer) {
+        static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kKVBytes &&
+                      Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes);
+        const uint32_t own_rows = consumer * kConsumerKeys * 128;
+        const uint32_t dq_rows = kDqSplitsKeys ? own_rows : 0;
+        const uint32_t dq_chunk = kDqSplitsKeys ? 0 : consumer * kBlockN * 128;
+        return {ptx::wgmma_desc_swizzle128(s.k() + own_rows, 16, kAtom),
+                ptx::wgmma_desc_swizzle128(s.q(0), 16, kAtom),
+                ptx::wgmma_desc_swizzle128(s.ds(0) + dq_rows, kDsBytes, kAtom),
+                ptx::wgmma_desc_swizzle128(s.k() + dq_rows + dq_chunk, kBlockN * 128, kAtom)};
+    }
+
+    // acc (this consumer's 64 keys x 64 queries) = rows of `a` (K or V) times the rows of `b`
+    // (Q or dO of stage st), transposed.
+    static __device__ __forceinline__ void issue_scores(float (&acc)[kSTiles][4], unsigned long long a,
+                                                        unsigned long long b, int st) {
+#pragma unroll
+        for (int kk = 0; kk < kQKSteps; ++kk) {
+            const int chunk = kk / 4;
+            const uint32_t k_offset = (kk % 4) * 32;  // 16 columns = 32 bytes into the row
+            ptx::wgmma_ss<kBlockM, Config::kIsBf16, 0>(
+                acc, ptx::wgmma_desc_advance(a, chunk * kBlockN * 128 + k_offset),
+                ptx::wgmma_desc_advance(b, st * kQBytes + chunk * kBlockM * 128 + k_offset), kk > 0);
+        }
+        ptx::wgmma_commit_group();
+    }
+
+    // acc (64 keys x head_dim) += frags (64 keys x 64 queries, A fragments) times Q or dO of
+    // stage st (queries x head_dim).
+    static __device__ __forceinline__ void issue_key_grads(float (&acc)[kKVTiles][4],
+                                                           const uint32_t (&frags)[kQuerySteps][4],
+                                                           unsigned long long bt, int st) {
+#pragma unroll
+        for (int kk = 0; kk < kQuerySteps; ++kk) {
+            ptx::wgmma_rs<kHeadDim, Config::kIsBf16, 1>(
+                acc, frags[kk], ptx::wgmma_desc_advance(bt, st * kQBytes + kk * 16 * 128), 1);
+        }
+    }
+
+    template <int kN>
+    static __device__ __forceinline__ void fence_accumulators(float (&acc)[kN][4]) {
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ptx::fence_operand(acc[n][i]);
+    }
+
+    // dS^T (this consumer's rows of the accumulator layout) into the swizzled dS^T tile: row r,
+    // 16-byte chunk c at chunk c ^ (r % 8). A warp's stores of one n8 tile cover 8 rows x 16
+    // bytes in 8 distinct chunks: all 32 banks, no conflict.
+    static __device__ __forceinline__ void store_ds(uint32_t tile, const float (&ds)[kSTiles][4],
+                                                    int first_row, int lane) {
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int row = first_row + f.row;
+                const uint32_t byte = f.col * 2;
+                const uint32_t at = row * 128 + ((((byte / 16) ^ (row % 8)) * 16) | (byte % 16));
+                *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
+                    Ops::pack(ds[n][2 * h], ds[n][2 * h + 1]);
+            }
+        }
+    }
+
+    // A consumer's 64 x 64 part of dQ_i into its staging tile: two TMA boxes of 32 fp32 columns,
+    // each 64 rows of 128 bytes with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8).
+    // A warp's float2 stores of one n8 tile cover 8 rows x 32 bytes in two wavefronts.
+    static __device__ __forceinline__ void store_dq_stage(uint32_t tile, const float (&acc)[kDqTiles][4],
+                                                          int warp, int lane) {
+#pragma unroll
+        for (int n = 0; n < kDqTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int row = warp * 16 + f.row;
+                const uint32_t byte = (f.col % kDqBoxColumns) * 4;
+                const uint32_t at = (f.col / kDqBoxColumns) * kDqBoxBytes + row * 128 +
+                                    ((((byte / 16) ^ (row % 8)) * 16) | (byte % 16));
+                *static_cast<float2*>(__cvta_shared_to_generic(tile + at)) =
+                    make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
+            }
+        }
+    }
+
+    // Deterministic mode (the dQ writer): how many key blocks add to query block i before key
+    // block j (fa2/backward.cuh, DqTurn, for the order), and the counter of (head, query block).
+    static __device__ int dq_rank(const Mask& mask, int i, int j) {
+        if constexpr (!Config::kCausal) return j;
+        return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
+    }
+
+    static __device__ int* dq_semaphore(const FagenBwdParams& p, const Walk& w, int head, int m_block) {
+        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        return p.dq_semaphore + (static_cast<long long>(w.batch) * p.heads_q + head) * m_blocks + m_block;
+    }
+
+    static __device__ void consume(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
+        const int warp = thread / 32, lane = thread % 32;
+        const Mask mask{p.seqlen_q, p.seqlen_k};
+        const Descriptors desc = descriptors(s, consumer);
+        const Walk w = walk_of_tile(p, tile_of_cta());
+        const int first_key = w.key_begin() + consumer * kConsumerKeys + warp * 16;  // this warp's
+
+        float acc_dk[kKVTiles][4];
+        float acc_dv[kKVTiles][4];
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_dk[n][i] = acc_dv[n][i] = 0.f;
+
+        ptx::mbarrier_wait_parity(s.kv_full(), 0);
+        // The steps: query heads of the group outer, query blocks inner, counted without
+        // divisions (the flat count's bound spilled at head_dim 128, causal).
+        const int head_end = (w.kv_head + 1) * w.group, m_end = w.i_begin + w.i_count;
+        int head = w.kv_head * w.group, m_block = w.i_begin;
+#pragma unroll 1
+        for (int t = 0; m_end > w.i_begin && head < head_end; ++t) {
+            const int st = t % kStages;
+            const int row_begin = m_block * kBlockM;
+            ptx::mbarrier_wait_parity(s.full(st), ring_parity<kStages>(t));
+
+            float acc_s[kSTiles][4];
+            float acc_dp[kSTiles][4];
+            ptx::wgmma_fence();
+            issue_scores(acc_s, desc.k_a, desc.q_b, st);
+            issue_scores(acc_dp, desc.v_a(), desc.do_b(), st);
+
+            const float* lse = static_cast<const float*>(__cvta_shared_to_generic(s.lse(st)));
+            const float* dsum = static_cast<const float*>(__cvta_shared_to_generic(s.d(st)));
+            const bool needs_mask = Config::kCausal && mask.block_needs_mask(first_key / 16, row_begin, 16);
+            ptx::wgmma_wait_group<1>();
+            fence_accumulators(acc_s);
+            uint32_t p_frags[kQuerySteps][4];
+#pragma unroll
+            for (int n = 0; n < kSTiles; ++n) {
+                // The two queries (columns) of a thread's pair in this n8 tile: one 8-byte load.
+                const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
+                    float prob = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
+                    if (needs_mask && mask.masked(row_begin + f.col, first_key + f.row)) prob = 0.f;
+                    acc_s[n][i] = prob;
+                }
+            }
+
+            // dS^T, and both P^T and dS^T packed into A fragments one k16 step at a time, so that
+            // the fp32 P^T dies as its fragments fill (packing P^T first, before dP^T arrived, kept
+            // both whole and spilled 12 bytes at head_dim 128, causal).
+            ptx::wgmma_wait_group<0>();
+            fence_accumulators(acc_dp);
+            uint32_t ds_frags[kQuerySteps][4];
+#pragma unroll
+            for (int kk = 0; kk < kQuerySteps; ++kk) {
+#pragma unroll
+                for (int n = 2 * kk; n < 2 * kk + 2; ++n) {
+                    const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc_dp[n][i] = acc_s[n][i] * (acc_dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
+                    }
+                }
+                fa2::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
+                fa2::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
+            }
+            const int buffer = kDqSplitsKeys ? 0 : t % 2;
+            store_ds(s.ds(buffer), acc_dp, consumer * kConsumerKeys + warp * 16, lane);
+
+            // dV, then dQ once every dS^T it reads is in shared memory, then dK: dQ's additions
+            // to global memory run while the tensor cores work through dK.
+            fence_accumulators(acc_dv);
+            fence_accumulators(acc_dk);
+            ptx::wgmma_fence();
+            issue_key_grads(acc_dv, p_frags, desc.do_bt(), st);
+            ptx::wgmma_commit_group();
+            ptx::fence_proxy_async_shared_cta();  // dS^T was written through the generic proxy
+            if constexpr (kDqSplitsKeys) {
+                ptx::bar_sync(kConsumerBase + consumer, 128);
+            } else {
+                ptx::bar_sync(kDsReady, kConsumerThreads);
+            }
+            float acc_dq[kDqTiles][4];
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kDqKeySteps; ++kk) {
+                ptx::wgmma_ss<kDqColumns, Config::kIsBf16, 1, 1>(
+                    acc_dq, ptx::wgmma_desc_advance(desc.ds_a, buffer * kDsBytes + kk * 16 * 128),
+                    ptx::wgmma_desc_advance(desc.k_bt, kk * 16 * 128), kk > 0);
+            }
+            ptx::wgmma_commit_group();
+            issue_key_grads(acc_dk, ds_frags, desc.q_bt(), st);
+            ptx::wgmma_commit_group();
+            ptx::wgmma_wait_group<1>();  // dV and dQ; dK runs on
+            fence_accumulators(acc_dq);
+            // dQ_i into this consumer's staging tile once the dQ writer has read the previous
+            // step's (it was handed over a step ago, so this rarely waits), then to the writer.
+            ptx::mbarrier_wait_parity(s.dq_empty(consumer), (t & 1) ^ 1);
+            store_dq_stage(s.dq(consumer), acc_dq, warp, lane);
+            ptx::fence_proxy_async_shared_cta();
+            ptx::mbarrier_arrive(s.dq_full(consumer));
+            ptx::wgmma_wait_group<0>();  // dK
+            fence_accumulators(acc_dv);
+            fence_accumulators(acc_dk);
+            ptx::mbarrier_arrive(s.empty(st));  // Q_i, dO_i, LSE_i, D_i are read
+            if (++m_block == m_end) {
+                m_block = w.i_begin;
+                ++head;
+            }
+        }
+
+        // The tile's walk again rather than kept across the loop: at head_dim 128, causal, the
+        // kept copy spilled.
+        const Walk tile = walk_of_tile(p, tile_of_cta());
+        const int tile_first_key = tile.key_begin() + consumer * kConsumerKeys + warp * 16;
+        store_key_grads(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
+                        p.softmax_scale, tile, tile_first_key, lane);
+        store_key_grads(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
+                        tile, tile_first_key, lane);
+    }
+
+    static __device__ __forceinline__ void store_key_grads(const FagenBwdParams& p,
+                                                           const float (&acc)[kKVTiles][4], void* out,
+                                                           long long batch_stride, long long row_stride,
+                                                           long long head_stride, float scale,
+                                                           const Walk& w, int first_key, int lane) {
+        Element* base = static_cast<Element*>(out) + w.batch * batch_stride + w.kv_head * head_stride;
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int key = first_key + f.row;
+                if (key < p.seqlen_k) {
+                    *reinterpret_cast<uint32_t*>(base + key * row_stride + f.col) =
+                        Ops::pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- entry
+    // Each role is one branch holding its setmaxnreg (fa3/forward.cuh, run, says why).
+    static __device__ void run(const FagenBwdParams& p, const FagenBwdTmaMaps& maps, char* smem) {
+        const Smem s{algo::swizzle_aligned_base(smem)};
+        if (threadIdx.x == 0) {
+            ptx::prefetch_tensormap(&maps.q);
+            ptx::prefetch_tensormap(&maps.k);
+            ptx::prefetch_tensormap(&maps.v);
+            ptx::prefetch_tensormap(&maps.dout);
+            ptx::prefetch_tensormap(&maps.dq_accum);
+            ptx::mbarrier_init(s.kv_full(), 1);
+            for (int consumer = 0; consumer < kConsumers; ++consumer) {
+                ptx::mbarrier_init(s.dq_full(consumer), 128);
+                ptx::mbarrier_init(s.dq_empty(consumer), 1);
+            }
+            for (int st = 0; st < kStages; ++st) {
+                ptx::mbarrier_init(s.full(st), kRowLoaderLanes + 1);  // + the TMA thread
+                ptx::mbarrier_init(s.empty(st), kConsumerThreads);
+            }
+            ptx::fence_mbarrier_init_release_cluster();
+        }
+        __syncthreads();
+        if (threadIdx.x < 128) {
+            ptx::setmaxnreg_dec<Config::kProducerRegisters>();
+            if (threadIdx.x == 0) {
+                for_each_step(p, TmaLoads{maps, s});
+            } else if (threadIdx.x / 32 == 1) {
+                for_each_step(p, RowLoads{p, s, static_cast<int>(threadIdx.x % 32)});
+            } else if (threadIdx.x == 64) {
+                for_each_step(p, DqWrites{p, maps, s});
+                ptx::cp_async_bulk_wait_group<0>();  // the last reductions, before the CTA exits
+            }
+        } else {
+            ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
+            consume(p, s, threadIdx.x / 128 - 1, threadIdx.x % 128);
+        }
+    }
+};
+
+}  // namespace fagen::fa3
