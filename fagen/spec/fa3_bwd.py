@@ -28,7 +28,10 @@ CONSUMER_KEYS = 64  # wgmma m64: a consumer's dK, dV rows
 # dS^T rows are block_m elements and must be one 128-byte swizzle atom wide (the dQ wgmma reads
 # them MN-major), so a step is 64 queries.
 BLOCK_M = TMA_COLUMNS
-HEAD_DIMS = (64, 128)  # dK + dV of 64 keys at head_dim 256 are 256 registers per thread
+HEAD_DIMS = (64, 128)
+# wgmma N values the kernel uses (templates/include/fagen/ptx/gen_wgmma.py writes their wrappers):
+# block_m for S^T and dP^T, head_dim for dK and dV, head_dim / 2 for a consumer's dQ.
+WGMMA_N = (32, 64, 128)  # dK + dV of 64 keys at head_dim 256 are 256 registers per thread
 STAGE_CHOICES = (2, 3)
 MBARRIERS = 1 + 2 * CONSUMERS  # kv_full, per consumer dq_full and dq_empty; and per stage:
 MBARRIERS_PER_STAGE = 2  # full, empty
@@ -53,20 +56,17 @@ class Fa3BwdTile(TileBase):
 @dataclass(frozen=True)
 class Fa3BwdGeometry(TileGeometry):
     @property
-    def chunks(self) -> int:
-        return self.head_dim // TMA_COLUMNS
-
-    @property
-    def dq_splits_keys(self) -> bool:
-        """dQ: with one 64-column chunk each consumer takes all of head_dim over its own keys
-        (two adds per element); with more, each takes half the chunks over all keys."""
-        return self.chunks == 1
-
-    @property
     def ds_buffers(self) -> int:
-        """Two dS^T buffers when a consumer's dQ reads the other's dS^T: the next step writes
-        the other buffer, so no second barrier is needed before it."""
-        return 1 if self.dq_splits_keys else 2
+        """Two dS^T buffers: a consumer's dQ reads the other's dS^T, and the next step writes the
+        other buffer, so no second barrier is needed before it."""
+        return 2
+
+    @property
+    def dq_columns(self) -> int:
+        """A consumer's part of dQ: head_dim / 2 columns over all the CTA's keys. (With head_dim
+        64 each consumer took all 64 columns over its own keys until run 83: two reductions of
+        every element instead of one.)"""
+        return self.head_dim // CONSUMERS
 
     @property
     def q_tile_bytes(self) -> int:
@@ -102,8 +102,9 @@ class Fa3BwdGeometry(TileGeometry):
 
     @property
     def dq_stage_bytes(self) -> int:
-        """A consumer's dQ staging tile: block_m rows x 64 fp32 columns (its part of dQ)."""
-        return self.block_m * TMA_COLUMNS * contract.ACCUM_BYTES  # two boxes of ACCUM_BOX_COLUMNS
+        """A consumer's dQ staging tile: block_m rows x its dQ columns, fp32 (boxes of
+        ACCUM_BOX_COLUMNS)."""
+        return self.block_m * self.dq_columns * contract.ACCUM_BYTES
 
     @property
     def smem_dq_offset(self) -> int:
@@ -193,7 +194,6 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kBlockN", g.block_n),
             Constexpr("kThreads", g.threads),
             Constexpr("kStages", g.stages),
-            Constexpr("kDqSplitsKeys", g.dq_splits_keys),
             Constexpr("kDsBuffers", g.ds_buffers),
             Constexpr("kProducerRegisters", PRODUCER_REGISTERS),
             Constexpr("kConsumerRegisters", g.consumer_registers),

@@ -183,16 +183,16 @@ TABLE: tuple[TuningRow, ...] = (
               causal=True),
     # ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block of 128 keys, two consumer
     # warpgroups of 64 keys (dK, dV in registers), a producer warpgroup, steps of 64 queries (the
-    # kernel's structure, fagen/spec/fa3_bwd.py). Speeds: H200 run 81 (2026-12-01), 2k / 8k. ----
+    # kernel's structure, fagen/spec/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
     TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 64,
               "dK + dV 64, S^T + dP^T 64 regs per consumer thread; two Q / dO stages keep the "
-              "next step's loads under this one's MMAs; 114 KB smem. 327 / 367 TFLOP/s non-causal, "
-              "251 / 319 causal (0.78-0.84x cuDNN)"),
+              "next step's loads under this one's MMAs; 114 KB smem. 397 / 438 TFLOP/s non-causal, "
+              "267 / 340 causal (0.81-0.98x cuDNN, run 84)"),
     TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 128,
               "dK + dV 128, S^T + dP^T 64, P^T fragments 16 regs of the 232 a consumer gets; "
               "K, V 64 KB + 2 stages of Q, dO 64 KB + two dS^T buffers 32 KB + dQ staging 32 KB "
               "= 194 KB, so no third stage fits. 485 / 530 TFLOP/s non-causal, 349 / 465 causal "
-              "(0.90-1.02x cuDNN)"),
+              "(0.90-1.02x cuDNN, run 81)"),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation

@@ -64,4 +64,4 @@ def test_shared_memory_layout():
     assert all(offset % 1024 == 0 for offset in (g.smem_v_offset, g.smem_q_offset, g.smem_do_offset,
                                                   g.smem_ds_offset, g.smem_dq_offset, g.smem_rows_offset))
     assert g.smem_bytes <= ARCHS[spec().arch].max_smem_per_block
-    assert spec(head_dim=64).geometry.ds_buffers == 1 and g.ds_buffers == 2
+    assert (spec(head_dim=64).geometry.dq_stage_bytes, g.dq_stage_bytes) == (8 * 1024, 16 * 1024)

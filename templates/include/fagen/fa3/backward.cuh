@@ -20,11 +20,10 @@
 //               P^T  = exp2(S^T scale_log2 - LSE_i),  dS^T = P^T (dP^T - D_i)   (registers)
 //               dV_c += P^T dO_i,  dK_c += dS^T Q_i             (wgmma, A from registers)
 //               dS^T to shared memory, then dQ_i += dS K         (wgmma, both MN-major in smem)
-//             and its part of dQ_i into a staging tile for the dQ writer. With head_dim 128 each
-//             consumer takes 64 columns of dQ over all 128 keys (both consumers' dS^T in smem, a
-//             named barrier between them, two dS^T buffers so that the next step's writes never
-//             meet the other consumer's reads); with head_dim 64 each takes all 64 columns over
-//             its own keys (kDqSplitsKeys).
+//             and its part of dQ_i into a staging tile for the dQ writer. Each consumer takes
+//             head_dim / 2 columns of dQ over all 128 keys (both consumers' dS^T in smem, a named
+//             barrier between them, two dS^T buffers so that the next step's writes never meet
+//             the other consumer's reads).
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle; offsets from
 // fagen/spec/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
@@ -75,12 +74,9 @@ struct Backward {
     static constexpr int kQuerySteps = kBlockM / 16;            // k16 steps of dV and dK
     static constexpr int kSTiles = kBlockM / 8;                 // n8 tiles of S^T per warp
     static constexpr int kKVTiles = kHeadDim / 8;               // n8 tiles of dK, dV per warp
-    static constexpr bool kDqSplitsKeys = Config::kDqSplitsKeys;
-    static constexpr int kDqKeys = kDqSplitsKeys ? kConsumerKeys : kBlockN;
-    // dQ columns per consumer: all of head_dim 64 (over its own keys), or half of 128.
-    static constexpr int kDqColumns = kDqSplitsKeys ? kHeadDim : kHeadDim / kConsumers;
+    static constexpr int kDqColumns = kHeadDim / kConsumers;  // a consumer's part of dQ
     static constexpr int kDqTiles = kDqColumns / 8;
-    static constexpr int kDqKeySteps = kDqKeys / 16;
+    static constexpr int kDqKeySteps = kBlockN / 16;
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
     static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
@@ -94,10 +90,10 @@ struct Backward {
     static_assert(kConsumerKeys == 64, "a consumer's dK, dV rows are one wgmma m64 tile");
     static_assert(kBlockM == 64, "dS^T rows of 64 elements: one 128-byte swizzle atom wide");
     static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
-    static_assert(kDqSplitsKeys == (kChunks == 1), "dQ splits the keys only when head_dim is one chunk");
-    static_assert(kDqColumns == 64, "dQ is one 64-column chunk per consumer");
+    static_assert(kDqColumns % kDqBoxColumns == 0 && (64 % kDqColumns == 0 || kDqColumns % 64 == 0),
+                  "a consumer's dQ columns are whole accumulator boxes inside or across K's chunks");
     static_assert(kDqBoxColumns * 4 == 128, "a box row of the accumulator map is one swizzle row");
-    static_assert(Config::kDsBuffers == (kDqSplitsKeys ? 1 : 2));
+    static_assert(Config::kDsBuffers == 2);
     static_assert(Config::kSmemKOffset == 0 && Config::kSmemVOffset == kKVBytes &&
                   Config::kSmemQOffset == 2 * kKVBytes &&
                   Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes &&
@@ -111,7 +107,6 @@ struct Backward {
     // Named barrier ids; 0 is __syncthreads.
     enum NamedBarrier : int {
         kDsReady = 1,          // both consumers' dS^T are in shared memory (256 threads)
-        kConsumerBase = 2,     // + consumer: one consumer's dS^T is (kDqSplitsKeys; 128 threads)
     };
 
     struct Smem {
@@ -237,9 +232,9 @@ struct Backward {
 
     // The dQ writer: per step, once both consumers staged their part of dQ_i, adds them to the
     // accumulator in global memory with TMA reductions and hands the staging tiles back as soon
-    // as they are read. Deterministic mode: first waits for the query block's counter to reach
-    // this tile's rank, adds the parts one after the other (two reductions of the same elements
-    // in flight may land in either order), waits for them to complete and passes the counter on.
+    // as they are read (the two parts are disjoint columns). Deterministic mode: first waits for
+    // the query block's counter to reach this tile's rank, then waits for the reductions to
+    // complete and passes the counter on.
     struct DqWrites {
         const FagenBwdParams& p;
         const FagenBwdTmaMaps& maps;
@@ -260,7 +255,7 @@ struct Backward {
 #pragma unroll
             for (int consumer = 0; consumer < kConsumers; ++consumer) {
                 ptx::mbarrier_wait_parity(s.dq_full(consumer), t & 1);
-                const int col0 = kDqSplitsKeys ? 0 : consumer * kDqColumns;
+                const int col0 = consumer * kDqColumns;
 #pragma unroll
                 for (int box = 0; box < kDqColumns / kDqBoxColumns; ++box) {
                     ptx::cp_reduce_async_bulk_tensor_4d_add(&maps.dq_accum, s.dq(consumer) + box * kDqBoxBytes,
@@ -268,7 +263,6 @@ struct Backward {
                                                             w.batch);
                 }
                 ptx::cp_async_bulk_commit_group();
-                if (ordered && kDqSplitsKeys) ptx::cp_async_bulk_wait_group<0>();
             }
             ptx::cp_async_bulk_wait_group_read<0>();
 #pragma unroll
@@ -305,12 +299,15 @@ struct Backward {
         static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kKVBytes &&
                       Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes);
         const uint32_t own_rows = consumer * kConsumerKeys * 128;
-        const uint32_t dq_rows = kDqSplitsKeys ? own_rows : 0;
-        const uint32_t dq_chunk = kDqSplitsKeys ? 0 : consumer * kBlockN * 128;
+        // This consumer's dQ columns of K: column chunk (of kBlockN rows of 128 bytes), then the
+        // byte offset inside a swizzled row (the swizzle is a function of the address, so a
+        // start 64 bytes into the row reads columns 32-63 of the chunk).
+        const uint32_t dq_col = consumer * kDqColumns;
+        const uint32_t dq_cols_at = (dq_col / 64) * kBlockN * 128 + (dq_col % 64) * 2;
         return {ptx::wgmma_desc_swizzle128(s.k() + own_rows, 16, kAtom),
                 ptx::wgmma_desc_swizzle128(s.q(0), 16, kAtom),
-                ptx::wgmma_desc_swizzle128(s.ds(0) + dq_rows, kDsBytes, kAtom),
-                ptx::wgmma_desc_swizzle128(s.k() + dq_rows + dq_chunk, kBlockN * 128, kAtom)};
+                ptx::wgmma_desc_swizzle128(s.ds(0), kDsBytes, kAtom),
+                ptx::wgmma_desc_swizzle128(s.k() + dq_cols_at, kBlockN * 128, kAtom)};
     }
 
     // acc (this consumer's 64 keys x 64 queries) = rows of `a` (K or V) times the rows of `b`
@@ -468,7 +465,7 @@ struct Backward {
                 fa2::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
                 fa2::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
             }
-            const int buffer = kDqSplitsKeys ? 0 : t % 2;
+            const int buffer = t % 2;
             store_ds(s.ds(buffer), acc_dp, consumer * kConsumerKeys + warp * 16, lane);
 
             // dV, then dQ once every dS^T it reads is in shared memory, then dK: dQ's additions
@@ -479,11 +476,7 @@ struct Backward {
             issue_key_grads(acc_dv, p_frags, desc.do_bt(), st);
             ptx::wgmma_commit_group();
             ptx::fence_proxy_async_shared_cta();  // dS^T was written through the generic proxy
-            if constexpr (kDqSplitsKeys) {
-                ptx::bar_sync(kConsumerBase + consumer, 128);
-            } else {
-                ptx::bar_sync(kDsReady, kConsumerThreads);
-            }
+            ptx::bar_sync(kDsReady, kConsumerThreads);
             float acc_dq[kDqTiles][4];
             ptx::wgmma_fence();
 #pragma unroll

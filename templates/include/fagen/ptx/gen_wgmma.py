@@ -12,7 +12,10 @@ import sys
 
 from pathlib import Path
 
-from fagen.spec.fa3 import WGMMA_N  # S = Q K^T uses N = block_n, O += P V uses N = head_dim
+from fagen.spec import fa3, fa3_bwd
+
+# The forward's (S = Q K^T: block_n, O += P V: head_dim) and the backward's N values.
+WGMMA_N = tuple(sorted(set(fa3.WGMMA_N) | set(fa3_bwd.WGMMA_N)))
 PTX_TYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = """\

@@ -14,6 +14,62 @@
 namespace fagen::ptx {
 
 template <int kTransposeB, int kTransposeA>
+__device__ __forceinline__ void wgmma_m64n32k16_ss_bf16(float (&d)[4][4], unsigned long long desc_a,
+        unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %20, %19;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
+}
+
+template <int kTransposeB>
+__device__ __forceinline__ void wgmma_m64n32k16_rs_bf16(float (&d)[4][4], const uint32_t (&a)[4],
+        unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransposeB));
+}
+
+template <int kTransposeB, int kTransposeA>
+__device__ __forceinline__ void wgmma_m64n32k16_ss_f16(float (&d)[4][4], unsigned long long desc_a,
+        unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %20, %19;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
+}
+
+template <int kTransposeB>
+__device__ __forceinline__ void wgmma_m64n32k16_rs_f16(float (&d)[4][4], const uint32_t (&a)[4],
+        unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransposeB));
+}
+
+template <int kTransposeB, int kTransposeA>
 __device__ __forceinline__ void wgmma_m64n64k16_ss_bf16(float (&d)[8][4], unsigned long long desc_a,
         unsigned long long desc_b, int accumulate) {
     asm volatile(
@@ -577,8 +633,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_f16(float (&d)[32][4], const
 template <int kN, bool kBf16, int kTransposeB, int kTransposeA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], unsigned long long desc_a,
         unsigned long long desc_b, int accumulate) {
-    static_assert(kN == 64 || kN == 72 || kN == 80 || kN == 96 || kN == 128 || kN == 136 || kN == 160 || kN == 176 || kN == 192 || kN == 256, "no wgmma wrapper for this N");
-    if constexpr (kN == 64) {
+    static_assert(kN == 32 || kN == 64 || kN == 72 || kN == 80 || kN == 96 || kN == 128 || kN == 136 || kN == 160 || kN == 176 || kN == 192 || kN == 256, "no wgmma wrapper for this N");
+    if constexpr (kN == 32) {
+        if constexpr (kBf16) wgmma_m64n32k16_ss_bf16<kTransposeB, kTransposeA>(d, desc_a, desc_b, accumulate);
+        else wgmma_m64n32k16_ss_f16<kTransposeB, kTransposeA>(d, desc_a, desc_b, accumulate);
+    } else if constexpr (kN == 64) {
         if constexpr (kBf16) wgmma_m64n64k16_ss_bf16<kTransposeB, kTransposeA>(d, desc_a, desc_b, accumulate);
         else wgmma_m64n64k16_ss_f16<kTransposeB, kTransposeA>(d, desc_a, desc_b, accumulate);
     } else if constexpr (kN == 72) {
@@ -615,8 +674,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 8][4], unsigned long lo
 template <int kN, bool kBf16, int kTransposeB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 8][4], const uint32_t (&a)[4],
         unsigned long long desc_b, int accumulate) {
-    static_assert(kN == 64 || kN == 72 || kN == 80 || kN == 96 || kN == 128 || kN == 136 || kN == 160 || kN == 176 || kN == 192 || kN == 256, "no wgmma wrapper for this N");
-    if constexpr (kN == 64) {
+    static_assert(kN == 32 || kN == 64 || kN == 72 || kN == 80 || kN == 96 || kN == 128 || kN == 136 || kN == 160 || kN == 176 || kN == 192 || kN == 256, "no wgmma wrapper for this N");
+    if constexpr (kN == 32) {
+        if constexpr (kBf16) wgmma_m64n32k16_rs_bf16<kTransposeB>(d, a, desc_b, accumulate);
+        else wgmma_m64n32k16_rs_f16<kTransposeB>(d, a, desc_b, accumulate);
+    } else if constexpr (kN == 64) {
         if constexpr (kBf16) wgmma_m64n64k16_rs_bf16<kTransposeB>(d, a, desc_b, accumulate);
         else wgmma_m64n64k16_rs_f16<kTransposeB>(d, a, desc_b, accumulate);
     } else if constexpr (kN == 72) {
