@@ -159,7 +159,8 @@ def test_dry_run_lists_every_kernel_with_its_tile_and_writes_nothing(tmp_path, c
         assert f"  {spec.name}  (tile {spec.tile.short}, {bound})" in lines
     assert "fa2 sm80: 1 kernel" in lines and "fa2 sm90: 3 kernels" in lines
     assert "fa2 bwd sm90: 1 kernel" in lines
-    assert has(out, "5 kernels in 3 algorithm/arch groups")
+    assert "fa3 bwd sm90a: 1 kernel" in lines
+    assert has(out, "6 kernels in 4 algorithm/arch groups")
     assert has(out, "nothing compiled or written")
     assert not out_dir.exists()
 
