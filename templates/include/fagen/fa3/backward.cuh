@@ -1,14 +1,14 @@
 // FlashAttention-3 backward on Hopper (sm_90a): the FA2 backward's recomputation (fa2/backward.cuh:
 // a key block's dK and dV stay in registers while it walks the query blocks) with TMA loads into
 // an mbarrier ring, wgmma for all five products, warp specialization with register reallocation
-// (FlashAttention-3 paper, section 3 and its backward) and a persistent grid.
+// (FlashAttention-3 paper, section 3 and its backward).
 //
 // Three kernels of one cubin (fagen/contract.py, "Backward kernels"): the row kernels of
 // algo/backward_rows.cuh before and after this file's main kernel.
 //
-// Each CTA walks tiles (key block of 128 keys, K/V head, batch); per tile the query blocks of 64
+// One CTA per tile (key block of 128 keys, K/V head, batch), which walks the query blocks of 64
 // rows of every query head its K/V head serves. Roles (warpgroup = 128 threads):
-//   producer  (warpgroup 0, three roles): one thread loads K_j, V_j per tile and Q_i, dO_i per
+//   producer  (warpgroup 0, three roles): one thread loads K_j, V_j once and Q_i, dO_i per
 //             step by TMA into a ring of kStages; warp 1 loads LSE_i and D_i (LSE +inf and D 0 for
 //             the rows past seqlen_q, which TMA fills with zeros: their probabilities and dS come
 //             out 0 with no mask); one thread of warp 2 is the dQ writer, which adds the consumers'
@@ -28,8 +28,8 @@
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle; offsets from
 // fagen/spec/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
 // buffers (block_n rows of block_m = 64 elements: one swizzle atom wide), one dQ staging tile per
-// consumer (64 rows x 64 fp32 columns, as two TMA boxes of 32 columns), kStages pairs of LSE and
-// D (block_m floats each), then the mbarriers.
+// consumer (64 rows x head_dim / 2 fp32 columns, in TMA boxes of 32 columns), kStages pairs of LSE
+// and D (block_m floats each), then the mbarriers.
 #pragma once
 
 #include "fagen/algo/backward_rows.cuh"
