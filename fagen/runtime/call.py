@@ -108,35 +108,39 @@ def _tensor_map(dtype: str, tensor: Tensor, seqlen: int, heads: int, batch: int,
     )
 
 
-def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> ctypes.Array:
-    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch), boxes of
-    launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
+def _qkv_map_blob(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> bytes:
     p = problem
-    blob = b"".join((
+    return b"".join((
         _tensor_map(p.dtype, q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
         _tensor_map(p.dtype, k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
         _tensor_map(p.dtype, v, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
     ))
+
+
+def _blob_array(blob: bytes) -> ctypes.Array:
     return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+
+
+def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> ctypes.Array:
+    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch), boxes of
+    launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
+    return _blob_array(_qkv_map_blob(problem, q, k, v, launch))
 
 
 def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
                  dq_accum: int) -> ctypes.Array:
-    """FagenBwdTmaMaps (params.h): Q and dO with boxes of launch.tma_q_rows rows, K and V of
-    launch.tma_kv_rows, as tma_maps(); and the fp32 dQ accumulator at `dq_accum`, (batch,
-    heads_q, seqlen_q, head_dim) contiguous, in boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
+    """FagenBwdTmaMaps (params.h): Q, K, V as tma_maps(), dO like Q; and the fp32 dQ
+    accumulator at `dq_accum`, (batch, heads_q, seqlen_q, head_dim) contiguous, in boxes of
+    ACCUM_BOX_COLUMNS x tma_q_rows."""
     p = problem
     row_bytes = p.head_dim * contract.ACCUM_BYTES
-    blob = b"".join((
-        _tensor_map(p.dtype, t.q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
-        _tensor_map(p.dtype, t.k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
-        _tensor_map(p.dtype, t.v, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+    return _blob_array(b"".join((
+        _qkv_map_blob(problem, t.q, t.k, t.v, launch),
         _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
         _encode_tensor_map("fp32", dq_accum, (p.head_dim, p.seqlen_q, p.heads_q, p.batch),
                            (row_bytes, row_bytes * p.seqlen_q, row_bytes * p.seqlen_q * p.heads_q),
                            (contract.ACCUM_BOX_COLUMNS, launch.tma_q_rows, 1, 1)),
-    ))
-    return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+    )))
 
 
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,

@@ -15,10 +15,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from .. import contract
-from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, Arch
+from .arch import Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .layout import (
-    ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems,
+    ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, consumer_registers,
+    smem_limit_problems,
 )
 
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
@@ -34,7 +35,6 @@ ROW_SUM_COLUMNS = 8
 # none). Consumers share the rest of the 64K: 24 + 2 x 240 = 504 per thread-slot of 128 threads
 # with two consumer warpgroups, 24 + 3 x 160 = 504 with three.
 PRODUCER_REGISTERS = 24
-SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
 # Registers of a consumer thread beyond S, O and P: softmax state, descriptors, loop state.
 # 28: hd64 m192n128 with mma_row_sum (S 64 + O and row sums 36 + P 32 = 132) compiles without
 # spills under setmaxnreg 160.
@@ -115,8 +115,7 @@ class Fa3Geometry(TmaRingLayout):
 
     @property
     def consumer_registers(self) -> int:
-        share = (REGISTERS_PER_SM // 128 - PRODUCER_REGISTERS) // self.consumers
-        return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
+        return consumer_registers(self.threads, self.consumers, PRODUCER_REGISTERS)
 
     @property
     def estimated_registers(self) -> int:

@@ -15,10 +15,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from .. import contract
-from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, Arch
+from .arch import Arch
 from .base import Constexpr, KernelSpec, TileBase
-from .fa3 import SETMAXNREG_GRANULE
-from .layout import ELEMENT_BYTES, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, smem_limit_problems
+from .fa3 import Fa3ForwardSpec
+from .layout import (
+    ELEMENT_BYTES, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, consumer_registers, launch_registers,
+    smem_limit_problems,
+)
 
 CONSUMERS = 2
 # Registers after setmaxnreg: the producer warpgroup's three roles (TMA loads, LSE/D loads, the
@@ -126,17 +129,12 @@ class Fa3BwdGeometry(TileGeometry):
 
     @property
     def launch_registers(self) -> int:
-        """Registers per thread the CTA holds at launch (__launch_bounds__(threads, 1)): 168 at
-        384 threads. setmaxnreg only moves these between warpgroups: a split that asks for more
-        in all (32 + 2 x 240 = 512 > 3 x 168) blocks the increase forever (run 74 hung)."""
-        per_thread = min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // self.threads)
-        return per_thread // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
+        return launch_registers(self.threads)
 
     @property
     def consumer_registers(self) -> int:
         """(3 x 168 - 32) / 2 = 236, rounded down to setmaxnreg's granule: 232."""
-        share = (self.launch_registers * (CONSUMERS + 1) - PRODUCER_REGISTERS) // CONSUMERS
-        return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
+        return consumer_registers(self.threads, CONSUMERS, PRODUCER_REGISTERS)
 
     @property
     def estimated_registers(self) -> int:
@@ -175,8 +173,8 @@ class Fa3BackwardSpec(KernelSpec):
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa3_bwd_sm90.cu.j2"
-    ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm90a,)
-    WHY_ARCHS: ClassVar[str] = "wgmma and setmaxnreg exist only on sm_90a"
+    ARCHS: ClassVar[tuple[Arch, ...]] = Fa3ForwardSpec.ARCHS
+    WHY_ARCHS: ClassVar[str] = Fa3ForwardSpec.WHY_ARCHS
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HGMMA", "UTMALDG", "UTMAREDG", "SYNCS")
 
     fa_version: Literal[3]

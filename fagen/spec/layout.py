@@ -5,10 +5,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
+
 ELEMENT_BYTES = 2  # fp16 / bf16
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
 TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box (and a wgmma atom) is 64 fp16/bf16 columns wide
 MBARRIERS_PER_STAGE = 4  # per K/V ring stage: k_full, k_empty, v_full, v_empty
+SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
+
+
+def launch_registers(threads: int) -> int:
+    """Registers per thread a CTA of `threads` holds from its launch (__launch_bounds__(threads,
+    1)): 168 at 384 threads, 128 at 512. setmaxnreg only moves these between warpgroups: a split
+    that asks for more in all blocks the increase forever (run 74 hung on 32 + 2 x 240 > 3 x 168)."""
+    per_thread = min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // threads)
+    return per_thread // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
+
+
+def consumer_registers(threads: int, consumers: int, producer_registers: int) -> int:
+    """setmaxnreg of each of `consumers` warpgroups when the producer warpgroup keeps
+    `producer_registers`: what is left of the launch's registers, in granules."""
+    share = (launch_registers(threads) * (consumers + 1) - producer_registers) // consumers
+    return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
 
 
 def smem_limit_problems(geometry, max_smem: int) -> list[str]:

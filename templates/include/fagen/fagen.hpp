@@ -751,15 +751,8 @@ public:
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
-        const FagenKernelInfo& info = kernel.value()->info();
-        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, Strides, int> map_specs[] = {
-            {&maps.q, a.q, a.seqlen_q, a.heads_q, q, info.tma_q_rows},
-            {&maps.k, a.k, a.seqlen_k, a.heads_kv, k, info.tma_kv_rows},
-            {&maps.v, a.v, a.seqlen_k, a.heads_kv, v, info.tma_kv_rows},
-        };
-        for (const auto& [map, data, seqlen, heads, strides, box_rows] : map_specs) {
-            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, strides, box_rows);
-                !s.ok()) return s;
+        if (Status s = encode_qkv_maps(&maps.q, &maps.k, &maps.v, a, q, k, v, kernel.value()->info()); !s.ok()) {
+            return s;
         }
         return kernel.value()->launch(p, &maps, stream, a.workspace);
     }
@@ -801,14 +794,13 @@ public:
         const Strides dq = a.dq_strides.value_or(q);
         const Strides dk = a.dk_strides.value_or(k);
         const Strides dv = a.dv_strides.value_or(v);
-        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
-            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}},
-            {"dout", {a.dout, dout}}, {"dq", {a.dq, dq}}, {"dk", {a.dk, dk}}, {"dv", {a.dv, dv}}};
         const bool tma = kernel.value()->uses_tma();
-        for (const auto& [name, tensor] : tensors) {
-            const bool loaded_by_tma = tma && (name[0] == 'q' || name[0] == 'k' || name[0] == 'v' ||
-                                               std::string(name) == "dout");
-            if (Status s = check_tensor(name, tensor.first, tensor.second, loaded_by_tma); !s.ok()) return s;
+        // (name, pointer, strides, read by TMA in a TMA kernel)
+        const std::tuple<const char*, CUdeviceptr, Strides, bool> tensors[] = {
+            {"q", a.q, q, true}, {"k", a.k, k, true}, {"v", a.v, v, true}, {"out", a.out, o, false},
+            {"dout", a.dout, dout, true}, {"dq", a.dq, dq, false}, {"dk", a.dk, dk, false}, {"dv", a.dv, dv, false}};
+        for (const auto& [name, data, strides, loaded] : tensors) {
+            if (Status s = check_tensor(name, data, strides, tma && loaded); !s.ok()) return s;
         }
         const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
         float* workspace = reinterpret_cast<float*>(a.workspace);
@@ -840,16 +832,10 @@ public:
         if (!tma) return kernel.value()->launch_backward(p, nullptr, stream);
         FagenBwdTmaMaps maps{};
         const FagenKernelInfo& info = kernel.value()->info();
-        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, Strides, int> map_specs[] = {
-            {&maps.q, a.q, a.seqlen_q, a.heads_q, q, info.tma_q_rows},
-            {&maps.k, a.k, a.seqlen_k, a.heads_kv, k, info.tma_kv_rows},
-            {&maps.v, a.v, a.seqlen_k, a.heads_kv, v, info.tma_kv_rows},
-            {&maps.dout, a.dout, a.seqlen_q, a.heads_q, dout, info.tma_q_rows},
-        };
-        for (const auto& [map, data, seqlen, heads, strides, box_rows] : map_specs) {
-            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, strides, box_rows);
-                !s.ok()) return s;
-        }
+        if (Status s = encode_qkv_maps(&maps.q, &maps.k, &maps.v, a, q, k, v, info); !s.ok()) return s;
+        if (Status s = encode_tensor_map(&maps.dout, a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.head_dim, dout,
+                                         info.tma_q_rows);
+            !s.ok()) return s;
         const Strides accum{static_cast<long long>(a.heads_q) * a.seqlen_q * a.head_dim, a.head_dim,
                             static_cast<long long>(a.seqlen_q) * a.head_dim};
         if (Status s = encode_tensor_map(&maps.dq_accum, a.dtype, reinterpret_cast<CUdeviceptr>(p.dq_accum), a.batch,
@@ -983,6 +969,23 @@ private:
 
     // A tiled TMA map over the 4-D tensor (head_dim, seqlen, heads, batch), innermost first:
     // boxes of 64 columns (128 bytes: the swizzle width) by `box_rows` rows, out-of-bounds zeros.
+    // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps): boxes of the kernel's
+    // tma_q_rows (Q) and tma_kv_rows (K, V) rows.
+    static Status encode_qkv_maps(FagenTensorMap* q_map, FagenTensorMap* k_map, FagenTensorMap* v_map,
+                                  const Attention& a, const Strides& q, const Strides& k, const Strides& v,
+                                  const FagenKernelInfo& info) {
+        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, const Strides*, int> specs[] = {
+            {q_map, a.q, a.seqlen_q, a.heads_q, &q, info.tma_q_rows},
+            {k_map, a.k, a.seqlen_k, a.heads_kv, &k, info.tma_kv_rows},
+            {v_map, a.v, a.seqlen_k, a.heads_kv, &v, info.tma_kv_rows},
+        };
+        for (const auto& [map, data, seqlen, heads, strides, box_rows] : specs) {
+            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, *strides, box_rows);
+                !s.ok()) return s;
+        }
+        return Status();
+    }
+
     // A tiled map of a (batch, seqlen, heads, head_dim) tensor of fp16/bf16 elements (boxes of
     // FAGEN_TMA_BOX_COLUMNS x box_rows), or with `accumulator` of a backward's fp32 dQ
     // accumulator (boxes of FAGEN_ACCUM_BOX_COLUMNS x box_rows); 128-byte swizzle.

@@ -9,6 +9,16 @@ namespace fagen::algo {
 
 constexpr uint32_t kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes: the 128-byte swizzle's period
 
+// Position `position` of a ring of kDepth shared-memory buffers filled in turn (TMA stages): its
+// buffer, and the phase parity its full barrier completes (the empty barrier's is the opposite:
+// a fresh barrier passes parity 1).
+template <int kDepth>
+__device__ __forceinline__ int ring_slot(int position) { return position % kDepth; }
+template <int kDepth>
+__device__ __forceinline__ uint32_t ring_parity(int position) {
+    return static_cast<uint32_t>((position / kDepth) & 1);
+}
+
 // The shared address every tile offset is counted from: the dynamic shared window is only
 // 16-byte aligned by contract, and the swizzle needs its tiles 1024-byte aligned.
 __device__ __forceinline__ uint32_t swizzle_aligned_base(const char* smem) {

@@ -30,6 +30,7 @@
 #include "fagen/types.cuh"
 
 #include "fagen/algo/backward_rows.cuh"
+#include "fagen/algo/backward_tile.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/smem_rows.cuh"
@@ -369,38 +370,24 @@ struct Backward {
                  batch, kv_head, key_begin + warp_key, col_split * kKVCols, lane);
     }
 
-    // Deterministic mode: the CTAs of one query block add their part of dQ in a fixed order.
-    // Each waits for the block's counter to reach its rank, adds with plain loads and stores
-    // past L1, and passes the counter on; so every run sums in the same order. A CTA waits
-    // only for CTAs launched before it (blocks start in launch order), so that a key block
-    // whose predecessor is not resident yet cannot hold the SM the predecessor needs. Without
-    // the mask every key block walks the query blocks from 0, and the order is ascending.
-    // Under it a key block starts at its diagonal query block, so the higher key blocks reach
-    // a query block first: the order is descending, and the key blocks are launched from the
-    // last (ascending, each CTA waited for key block 0 to walk up to it: 3-4.6x the time of
-    // the atomics, run 69). Without a semaphore array the CTAs add with atomics, in any order.
+    using Order = algo::DqOrder<Config::kCausal, kBlockM, kBlockN>;
+
+    // The key block of this CTA (algo/backward_tile.cuh: deterministic causal from the last).
     static __device__ int key_block_of_cta(const FagenBwdParams& p) {
-        const int cta = blockIdx.x;
-        return Config::kCausal && p.dq_semaphore != nullptr ? static_cast<int>(gridDim.x) - 1 - cta : cta;
+        return Order::key_block(p, blockIdx.x, static_cast<int>(gridDim.x));
     }
 
-    // How many key blocks add to query block i before key block j does.
-    static __device__ int dq_rank(const Mask& mask, int i, int j) {
-        if constexpr (!Config::kCausal) return j;
-        // Key blocks 0..last see query block i (each walks every query block with a row that
-        // sees its first key); the last one is the block of the last key its last row sees.
-        return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
-    }
-
+    // Deterministic mode's turn of a CTA on dQ_i (algo/backward_tile.cuh): it adds with plain
+    // loads and stores past L1. Without a semaphore array the CTAs add with atomics, in any
+    // order.
     struct DqTurn {
         int* semaphore = nullptr;
 
         __device__ DqTurn(const FagenBwdParams& p, const Mask& mask, int batch, int head, int m_block,
                           int n_block) {
             if (p.dq_semaphore == nullptr) return;
-            const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-            semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.heads_q + head) * m_blocks + m_block;
-            const int rank = dq_rank(mask, m_block, n_block);
+            semaphore = Order::semaphore(p, batch, head, m_block);
+            const int rank = Order::rank(mask, m_block, n_block);
             if (threadIdx.x == 0) {
                 while (atomicAdd(semaphore, 0) != rank) {
                 }
@@ -453,19 +440,8 @@ struct Backward {
                                                     long long batch_stride, long long row_stride,
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {
-        Element* base = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
-#pragma unroll
-        for (int n = 0; n < kKVTiles; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                const int key = first_key + f.row;
-                if (key < p.seqlen_k) {
-                    *reinterpret_cast<uint32_t*>(base + key * row_stride + col0 + f.col) =
-                        Ops::pack(acc[0][n][2 * h] * scale, acc[0][n][2 * h + 1] * scale);
-                }
-            }
-        }
+        algo::store_key_rows<Element>(p, static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride,
+                                      row_stride, acc[0], scale, first_key, col0, lane);
     }
 };
 

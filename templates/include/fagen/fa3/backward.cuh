@@ -33,6 +33,7 @@
 #pragma once
 
 #include "fagen/algo/backward_rows.cuh"
+#include "fagen/algo/backward_tile.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/tma_tile.cuh"
@@ -61,6 +62,7 @@ struct Backward {
     using Mask = algo::AttentionMask<Config::kCausal>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads>;
+    using Order = algo::DqOrder<Config::kCausal, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;  // queries per step
@@ -143,8 +145,8 @@ struct Backward {
     // One tile (key block, K/V head, batch) per CTA, the key block fastest in launch order (the
     // grid's x): tiles that run at the same time share their K/V head's Q, dO and dQ in L2 (with
     // the key block slowest, every head at once, the backward ran at 0.71-0.98x, run 78).
-    // Deterministic mode orders the causal key blocks from the last (fa2/backward.cuh,
-    // key_block_of_cta, says why).
+    // Deterministic mode orders the causal key blocks from the last (algo/backward_tile.cuh says
+    // why).
     static __device__ int key_blocks(const FagenBwdParams& p) { return (p.seqlen_k + kBlockN - 1) / kBlockN; }
     static __device__ int tile_of_cta() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
 
@@ -152,7 +154,7 @@ struct Backward {
         Walk w;
         const int n_blocks = key_blocks(p);
         const int order = tile % n_blocks, head_of_batch = tile / n_blocks;
-        w.n_block = Config::kCausal && p.dq_semaphore != nullptr ? n_blocks - 1 - order : order;
+        w.n_block = Order::key_block(p, order, n_blocks);
         w.kv_head = head_of_batch % p.heads_kv;
         w.batch = head_of_batch / p.heads_kv;
         w.group = p.heads_q / p.heads_kv;
@@ -161,11 +163,6 @@ struct Backward {
         w.i_begin = mask.first_row(w.key_begin()) / kBlockM;
         w.i_count = max(0, m_blocks - w.i_begin);
         return w;
-    }
-
-    template <int kDepth>
-    static __device__ __forceinline__ uint32_t ring_parity(int position) {
-        return static_cast<uint32_t>((position / kDepth) & 1);
     }
 
     // ---------------------------------------------------------------- producer
@@ -195,7 +192,7 @@ struct Backward {
         }
         __device__ void step(const Walk& w, int head, int m_block, int t) const {
             const int st = t % kStages;
-            ptx::mbarrier_wait_parity(s.empty(st), ring_parity<kStages>(t) ^ 1);
+            ptx::mbarrier_wait_parity(s.empty(st), algo::ring_parity<kStages>(t) ^ 1);
             ptx::mbarrier_arrive_expect_tx(s.full(st), 2 * kQBytes);
             algo::tma_copy_tile<kChunks>(maps.q, s.q(st), kBlockM, s.full(st), m_block * kBlockM, head, w.batch);
             algo::tma_copy_tile<kChunks>(maps.dout, s.dout(st), kBlockM, s.full(st), m_block * kBlockM, head,
@@ -213,7 +210,7 @@ struct Backward {
         __device__ void tile(const Walk&) const {}
         __device__ void step(const Walk& w, int head, int m_block, int t) const {
             const int st = t % kStages;
-            ptx::mbarrier_wait_parity(s.empty(st), ring_parity<kStages>(t) ^ 1);
+            ptx::mbarrier_wait_parity(s.empty(st), algo::ring_parity<kStages>(t) ^ 1);
             const int row_begin = m_block * kBlockM;
             const int rows_valid = p.seqlen_q - row_begin;
             const long long row0 = w.head_row0(p, head) + row_begin;
@@ -243,10 +240,10 @@ struct Backward {
         __device__ void tile(const Walk&) const {}
         __device__ void step(const Walk& w, int head, int m_block, int t) const {
             const bool ordered = p.dq_semaphore != nullptr;
-            int* semaphore = ordered ? dq_semaphore(p, w, head, m_block) : nullptr;
+            int* semaphore = ordered ? Order::semaphore(p, w.batch, head, m_block) : nullptr;
             if (ordered) {
                 const Mask mask{p.seqlen_q, p.seqlen_k};
-                const int rank = dq_rank(mask, m_block, w.n_block);
+                const int rank = Order::rank(mask, m_block, w.n_block);
                 while (atomicAdd(semaphore, 0) != rank) {
                 }
                 __threadfence();
@@ -337,14 +334,6 @@ struct Backward {
         }
     }
 
-    template <int kN>
-    static __device__ __forceinline__ void fence_accumulators(float (&acc)[kN][4]) {
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ptx::fence_operand(acc[n][i]);
-    }
-
     // dS^T (this consumer's rows of the accumulator layout) into the swizzled dS^T tile: row r,
     // 16-byte chunk c at chunk c ^ (r % 8). A warp's stores of one n8 tile cover 8 rows x 16
     // bytes in 8 distinct chunks: all 32 banks, no conflict.
@@ -384,18 +373,6 @@ struct Backward {
         }
     }
 
-    // Deterministic mode (the dQ writer): how many key blocks add to query block i before key
-    // block j (fa2/backward.cuh, DqTurn, for the order), and the counter of (head, query block).
-    static __device__ int dq_rank(const Mask& mask, int i, int j) {
-        if constexpr (!Config::kCausal) return j;
-        return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
-    }
-
-    static __device__ int* dq_semaphore(const FagenBwdParams& p, const Walk& w, int head, int m_block) {
-        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        return p.dq_semaphore + (static_cast<long long>(w.batch) * p.heads_q + head) * m_blocks + m_block;
-    }
-
     static __device__ void consume(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         const int warp = thread / 32, lane = thread % 32;
         const Mask mask{p.seqlen_q, p.seqlen_k};
@@ -419,7 +396,7 @@ struct Backward {
         for (int t = 0; m_end > w.i_begin && head < head_end; ++t) {
             const int st = t % kStages;
             const int row_begin = m_block * kBlockM;
-            ptx::mbarrier_wait_parity(s.full(st), ring_parity<kStages>(t));
+            ptx::mbarrier_wait_parity(s.full(st), algo::ring_parity<kStages>(t));
 
             float acc_s[kSTiles][4];
             float acc_dp[kSTiles][4];
@@ -431,7 +408,7 @@ struct Backward {
             const float* dsum = static_cast<const float*>(__cvta_shared_to_generic(s.d(st)));
             const bool needs_mask = Config::kCausal && mask.block_needs_mask(first_key / 16, row_begin, 16);
             ptx::wgmma_wait_group<1>();
-            fence_accumulators(acc_s);
+            ptx::fence_accumulators(acc_s);
             uint32_t p_frags[kQuerySteps][4];
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {
@@ -450,7 +427,7 @@ struct Backward {
             // the fp32 P^T dies as its fragments fill (packing P^T first, before dP^T arrived, kept
             // both whole and spilled 12 bytes at head_dim 128, causal).
             ptx::wgmma_wait_group<0>();
-            fence_accumulators(acc_dp);
+            ptx::fence_accumulators(acc_dp);
             uint32_t ds_frags[kQuerySteps][4];
 #pragma unroll
             for (int kk = 0; kk < kQuerySteps; ++kk) {
@@ -470,8 +447,8 @@ struct Backward {
 
             // dV, then dQ once every dS^T it reads is in shared memory, then dK: dQ's additions
             // to global memory run while the tensor cores work through dK.
-            fence_accumulators(acc_dv);
-            fence_accumulators(acc_dk);
+            ptx::fence_accumulators(acc_dv);
+            ptx::fence_accumulators(acc_dk);
             ptx::wgmma_fence();
             issue_key_grads(acc_dv, p_frags, desc.do_bt(), st);
             ptx::wgmma_commit_group();
@@ -489,7 +466,7 @@ struct Backward {
             issue_key_grads(acc_dk, ds_frags, desc.q_bt(), st);
             ptx::wgmma_commit_group();
             ptx::wgmma_wait_group<1>();  // dV and dQ; dK runs on
-            fence_accumulators(acc_dq);
+            ptx::fence_accumulators(acc_dq);
             // dQ_i into this consumer's staging tile once the dQ writer has read the previous
             // step's (it was handed over a step ago, so this rarely waits), then to the writer.
             ptx::mbarrier_wait_parity(s.dq_empty(consumer), (t & 1) ^ 1);
@@ -497,8 +474,8 @@ struct Backward {
             ptx::fence_proxy_async_shared_cta();
             ptx::mbarrier_arrive(s.dq_full(consumer));
             ptx::wgmma_wait_group<0>();  // dK
-            fence_accumulators(acc_dv);
-            fence_accumulators(acc_dk);
+            ptx::fence_accumulators(acc_dv);
+            ptx::fence_accumulators(acc_dk);
             ptx::mbarrier_arrive(s.empty(st));  // Q_i, dO_i, LSE_i, D_i are read
             if (++m_block == m_end) {
                 m_block = w.i_begin;
@@ -510,30 +487,12 @@ struct Backward {
         // kept copy spilled.
         const Walk tile = walk_of_tile(p, tile_of_cta());
         const int tile_first_key = tile.key_begin() + consumer * kConsumerKeys + warp * 16;
-        store_key_grads(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-                        p.softmax_scale, tile, tile_first_key, lane);
-        store_key_grads(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
-                        tile, tile_first_key, lane);
-    }
-
-    static __device__ __forceinline__ void store_key_grads(const FagenBwdParams& p,
-                                                           const float (&acc)[kKVTiles][4], void* out,
-                                                           long long batch_stride, long long row_stride,
-                                                           long long head_stride, float scale,
-                                                           const Walk& w, int first_key, int lane) {
-        Element* base = static_cast<Element*>(out) + w.batch * batch_stride + w.kv_head * head_stride;
-#pragma unroll
-        for (int n = 0; n < kKVTiles; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                const int key = first_key + f.row;
-                if (key < p.seqlen_k) {
-                    *reinterpret_cast<uint32_t*>(base + key * row_stride + f.col) =
-                        Ops::pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
-                }
-            }
-        }
+        algo::store_key_rows<Element>(p, static_cast<Element*>(p.dk) + tile.batch * p.dk_batch_stride +
+                                             tile.kv_head * p.dk_head_stride,
+                                      p.dk_row_stride, acc_dk, p.softmax_scale, tile_first_key, 0, lane);
+        algo::store_key_rows<Element>(p, static_cast<Element*>(p.dv) + tile.batch * p.dv_batch_stride +
+                                             tile.kv_head * p.dv_head_stride,
+                                      p.dv_row_stride, acc_dv, 1.f, tile_first_key, 0, lane);
     }
 
     // ---------------------------------------------------------------- entry

@@ -120,22 +120,13 @@ struct Forward {
         return algo::tile_work<Config::kCausal>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
-    // Position `position` of a ring of kDepth buffers (the Q stages: tiles of this CTA; the
-    // K/V stages: key blocks): its buffer, and the phase parity its full barrier completes.
-    template <int kDepth>
-    static __device__ __forceinline__ int ring_slot(int position) { return position % kDepth; }
-    template <int kDepth>
-    static __device__ __forceinline__ uint32_t ring_parity(int position) {
-        return static_cast<uint32_t>((position / kDepth) & 1);
-    }
-
     // ---------------------------------------------------------------- producer
     // Q of a tile, once the consumers released the Q stage's previous tile (`tile_count` =
     // tiles this CTA loaded before).
     static __device__ __forceinline__ void load_q(const FagenTmaMaps& maps, const Smem& s,
                                                   const Work& w, int tile_count) {
-        const int q = ring_slot<kQStages>(tile_count);
-        ptx::mbarrier_wait_parity(s.q_empty(q), ring_parity<kQStages>(tile_count) ^ 1);
+        const int q = algo::ring_slot<kQStages>(tile_count);
+        ptx::mbarrier_wait_parity(s.q_empty(q), algo::ring_parity<kQStages>(tile_count) ^ 1);
         algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.row_begin,
                                      w.head, w.batch);
     }
@@ -144,8 +135,8 @@ struct Forward {
     // ring % kStages), once consumers have released the slot's previous contents.
     static __device__ __forceinline__ void load_kv(const FagenTmaMaps& maps, const Smem& s,
                                                    const Work& w, int j, int ring) {
-        const int slot = ring_slot<kStages>(ring);
-        const uint32_t empty_parity = ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
+        const int slot = algo::ring_slot<kStages>(ring);
+        const uint32_t empty_parity = algo::ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
         const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
         algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
@@ -200,23 +191,15 @@ struct Forward {
         ptx::wgmma_commit_group();
     }
 
-    template <int kN>
-    static __device__ __forceinline__ void fence_accumulators(float (&acc)[kN][4]) {
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ptx::fence_operand(acc[n][i]);
-    }
-
     // O *= the previous softmax's rescale factors, between issuing Q K_j^T and P_{j-1} V_{j-1}
     // (FlashAttention-3's order): the multiplies run while the tensor cores work on Q K_j^T
     // instead of in the gap between P_{j-2} V_{j-2} and the next issue. O is complete here
     // (P_{j-2} V_{j-2} was waited for) and is fenced again before P V reads it.
     static __device__ __forceinline__ void rescale_under_mma(float (&acc_o)[1][kOAccTiles][4],
                                                              const float (&rescale)[1][2]) {
-        fence_accumulators(acc_o[0]);
+        ptx::fence_accumulators(acc_o[0]);
         Softmax::rescale_output(acc_o, rescale);
-        fence_accumulators(acc_o[0]);
+        ptx::fence_accumulators(acc_o[0]);
         ptx::wgmma_fence();
     }
 
@@ -252,10 +235,10 @@ struct Forward {
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
         const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
-        const int q = ring_slot<kQStages>(tile_count);
+        const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
-        auto slot_of = [&](int j) { return ring_slot<kStages>(ring_base + j); };
-        auto parity_of = [&](int j) { return ring_parity<kStages>(ring_base + j); };
+        auto slot_of = [&](int j) { return algo::ring_slot<kStages>(ring_base + j); };
+        auto parity_of = [&](int j) { return algo::ring_parity<kStages>(ring_base + j); };
 
         float acc_o[1][kOAccTiles][4];
         algo::clear_fragment(acc_o);
@@ -273,7 +256,7 @@ struct Forward {
         __syncwarp();
         // kEarlyFirstQk: waited for before the tile's first Q K^T went out.
         if constexpr (!Config::kEarlyFirstQk) {
-            ptx::mbarrier_wait_parity(s.q_full(q), ring_parity<kQStages>(tile_count));
+            ptx::mbarrier_wait_parity(s.q_full(q), algo::ring_parity<kQStages>(tile_count));
         }
 
         // S = Q K^T of block j, masked and turned into probabilities; O is rescaled by the
@@ -313,7 +296,7 @@ struct Forward {
             pass_turn(consumer);
         }
         ptx::wgmma_wait_group<0>();
-        fence_accumulators(acc_s[0]);
+        ptx::fence_accumulators(acc_s[0]);
         release_k(0);
         scores(0, BoolConstant<true>{});
         ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
@@ -328,12 +311,12 @@ struct Forward {
             issue_pv(acc_o[0], p, desc, slot_of(j - 1));
             pass_turn(consumer);
             ptx::wgmma_wait_group<1>();
-            fence_accumulators(acc_s[0]);
+            ptx::fence_accumulators(acc_s[0]);
             release_k(j);
             scores(j, may_need_mask);
             ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
             ptx::wgmma_wait_group<0>();
-            fence_accumulators(acc_o[0]);
+            ptx::fence_accumulators(acc_o[0]);
             ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
             convert_p(acc_s[0], p);
         };
@@ -360,7 +343,7 @@ struct Forward {
         } else {
             ptx::wgmma_wait_group<0>();
         }
-        fence_accumulators(acc_o[0]);
+        ptx::fence_accumulators(acc_o[0]);
         ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
 
         float row_lse[1][2];
@@ -489,9 +472,9 @@ struct Forward {
                 auto issue_next_first_qk = [&](int slot, uint32_t parity, int last_slot) {
                     next_index = sched.next(index);
                     has_next = find_tile_with_keys(next_index, next);
-                    const int q = ring_slot<kQStages>(tile_count + (has_next ? 1 : 0));
+                    const int q = algo::ring_slot<kQStages>(tile_count + (has_next ? 1 : 0));
                     if (has_next) {
-                        ptx::mbarrier_wait_parity(s.q_full(q), ring_parity<kQStages>(tile_count + 1));
+                        ptx::mbarrier_wait_parity(s.q_full(q), algo::ring_parity<kQStages>(tile_count + 1));
                         ptx::mbarrier_wait_parity(s.k_full(slot), parity);
                     }
                     ptx::wgmma_fence();

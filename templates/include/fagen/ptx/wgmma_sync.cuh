@@ -27,4 +27,13 @@ __device__ __forceinline__ void fence_operand(T& reg) {
     asm volatile("" : "+f"(reg)::"memory");
 }
 
+// fence_operand over a whole accumulator (kN n8 tiles of four floats per thread).
+template <int kN>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[kN][4]) {
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_operand(acc[n][i]);
+}
+
 }  // namespace fagen::ptx

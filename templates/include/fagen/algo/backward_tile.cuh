@@ -1,0 +1,66 @@
+// What both backward kernels (FA2, FA3) share about a key-block tile: its place in the
+// deterministic mode's dQ order, and the store of its dK or dV rows.
+//
+// Deterministic mode: the tiles of one query block add their part of dQ in a fixed order. Each
+// waits for the block's counter (one int per (batch, head_q, query block)) to reach its rank,
+// adds, and passes the counter on; so every run sums in the same order. A tile waits only for
+// tiles launched before it (blocks start in launch order), so that a key block whose
+// predecessor is not resident yet cannot hold the SM the predecessor needs. Without the mask
+// every key block walks the query blocks from 0, and the order is ascending. Under it a key block
+// starts at its diagonal query block, so the higher key blocks reach a query block first: the
+// order is descending, and the key blocks are launched from the last (ascending, each CTA waited
+// for key block 0 to walk up to it: 3-4.6x the time of the atomics, run 69).
+#pragma once
+#include "fagen/algo/fragment.cuh"
+#include "fagen/algo/mask.cuh"
+#include "fagen/fa2/element.cuh"
+#include "fagen/params.h"
+
+namespace fagen::algo {
+
+template <bool kCausal, int kBlockM, int kBlockN>
+struct DqOrder {
+    // The key block of the tile at position `order` of the launch (of `n_blocks`).
+    static __device__ int key_block(const FagenBwdParams& p, int order, int n_blocks) {
+        return kCausal && p.dq_semaphore != nullptr ? n_blocks - 1 - order : order;
+    }
+
+    // How many key blocks add to query block i before key block j does.
+    static __device__ int rank(const AttentionMask<kCausal>& mask, int i, int j) {
+        if constexpr (!kCausal) return j;
+        // Key blocks 0..last see query block i (each walks every query block with a row that
+        // sees its first key); the last one is the block of the last key its last row sees.
+        return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
+    }
+
+    // The counter of (batch, head, query block m_block).
+    static __device__ int* semaphore(const FagenBwdParams& p, int batch, int head,
+                                        int m_block) {
+        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        return p.dq_semaphore + (static_cast<long long>(batch) * p.heads_q + head) * m_blocks + m_block;
+    }
+};
+
+// A warp's dK or dV rows from the accumulator layout (kTiles n8 tiles of columns col0...):
+// scale * acc as the element type, at `out` (the tile's (batch, K/V head) origin), rows
+// first_key... past seqlen_k left out.
+template <class Element, int kTiles>
+__device__ __forceinline__ void store_key_rows(const FagenBwdParams& p, Element* out, long long row_stride,
+                                               const float (&acc)[kTiles][4], float scale,
+                                               int first_key, int col0, int lane) {
+    using Ops = fa2::ElementOps<Element>;
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const FragmentCoord f = fragment_coord(lane, 0, n, 2 * h);
+            const int key = first_key + f.row;
+            if (key < p.seqlen_k) {
+                *reinterpret_cast<uint32_t*>(out + key * row_stride + col0 + f.col) =
+                    Ops::pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+            }
+        }
+    }
+}
+
+}  // namespace fagen::algo
