@@ -1,10 +1,18 @@
 """FA3 backward (wgmma + TMA, sm90a): its tile, geometry, template constexprs and launch.
 
 One CTA per (key block, K/V head, batch), as the FA2 backward, with a producer warpgroup (TMA
-loads, LSE/D loads, the dQ writer) and two consumer warpgroups of 64 keys each
-(templates/include/fagen/fa3/backward.cuh); that is the kernel's structure, not an option. The geometry is computed once here: validation rejects tiles
-that cannot fit, codegen passes the same numbers to the template, which re-checks them with
-static_assert.
+loads, LSE/D loads, the dQ writer) and two consumer warpgroups
+(templates/include/fagen/fa3/backward.cuh); that is the kernel's structure, not an option. How
+the consumers share a tile follows from the head dimension, through their registers:
+
+- key split (head_dim 64, 128): each consumer owns 64 of the tile's 128 keys, with all the
+  columns of their dK and dV in registers (2 x 64 x head_dim / 128 per thread);
+- column split (head_dim 256, where the key split's dK + dV alone would be 256 registers): both
+  consumers share the tile's 64 keys, each owns head_dim / 2 columns of dK and dV, each computes
+  the scores of half the step's queries, and P^T and dS^T go through shared memory.
+
+The geometry is computed once here: validation rejects tiles that cannot fit, codegen passes the
+same numbers to the template, which re-checks them with static_assert.
 """
 
 from __future__ import annotations
@@ -31,12 +39,12 @@ CONSUMER_KEYS = 64  # wgmma m64: a consumer's dK, dV rows
 # dS^T rows are block_m elements and must be one 128-byte swizzle atom wide (the dQ wgmma reads
 # them MN-major), so a step is 64 queries.
 BLOCK_M = TMA_COLUMNS
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # wgmma N values the kernel uses (templates/include/fagen/ptx/gen_wgmma.py writes their wrappers):
-# block_m for S^T and dP^T, head_dim for dK and dV, head_dim / 2 for a consumer's dQ.
-WGMMA_N = (32, 64, 128)  # dK + dV of 64 keys at head_dim 256 are 256 registers per thread
+# S^T and dP^T: block_m (key split) or block_m / 2 (column split); dK and dV: head_dim (key
+# split) or head_dim / 2 (column split); a consumer's dQ: head_dim / 2.
+WGMMA_N = (32, 64, 128)
 STAGE_CHOICES = (2, 3)
-MBARRIERS = 1 + 2 * CONSUMERS  # kv_full, per consumer dq_full and dq_empty; and per stage:
 MBARRIERS_PER_STAGE = 2  # full, empty
 # Registers of a consumer thread beyond dK, dV, S^T, dP^T and the P^T fragments: descriptors,
 # the walk, addresses. 20: head_dim 128 (128 + 64 + 16 = 208) compiles without spills under
@@ -48,7 +56,8 @@ class Fa3BwdTile(TileBase):
     ALGORITHM: ClassVar[str] = "fa3 bwd"
 
     block_m: int = Field(BLOCK_M, gt=0, description="query rows per step of the walk (64)")
-    block_n: int = Field(gt=0, description="keys per CTA: 64 per consumer warpgroup (128)")
+    block_n: int = Field(gt=0, description="keys per CTA: 128 (key split: 64 per consumer "
+                         "warpgroup) or 64 (column split, head_dim 256)")
     warps: int = Field(gt=0, description="warps per CTA: 8 consumer + 4 producer (12)")
     stages: int = Field(gt=0, description="Q / dO / LSE / D ring depth")
 
@@ -58,6 +67,30 @@ class Fa3BwdTile(TileBase):
 
 @dataclass(frozen=True)
 class Fa3BwdGeometry(TileGeometry):
+    @property
+    def key_split_registers(self) -> int:
+        """A consumer thread's registers under the key split: dK and dV (64 keys x head_dim each),
+        S^T and dP^T (64 keys x block_m each) and the P^T fragments, live together before dS^T."""
+        key_grads = 2 * CONSUMER_KEYS * self.head_dim // 128
+        scores = 2 * CONSUMER_KEYS * self.block_m // 128
+        return key_grads + scores + scores // 4 + REGISTER_OVERHEAD
+
+    @property
+    def column_split(self) -> bool:
+        """Whether the consumers split the columns instead of the keys: when the key split does
+        not fit a consumer's registers (head_dim 256)."""
+        return self.key_split_registers > self.consumer_registers
+
+    @property
+    def block_n_of_split(self) -> int:
+        return CONSUMER_KEYS if self.column_split else CONSUMERS * CONSUMER_KEYS
+
+    @property
+    def pt_buffers(self) -> int:
+        """P^T tiles in shared memory: the column split's dV reads them (two, as dS^T); the key
+        split's dV takes P^T from registers."""
+        return self.ds_buffers if self.column_split else 0
+
     @property
     def ds_buffers(self) -> int:
         """Two dS^T buffers: a consumer's dQ reads the other's dS^T, and the next step writes the
@@ -106,12 +139,26 @@ class Fa3BwdGeometry(TileGeometry):
     @property
     def dq_stage_bytes(self) -> int:
         """A consumer's dQ staging tile: block_m rows x its dQ columns, fp32 (boxes of
-        ACCUM_BOX_COLUMNS)."""
-        return self.block_m * self.dq_columns * contract.ACCUM_BYTES
+        ACCUM_BOX_COLUMNS). The column split stages dQ in the step's Q and dO tiles instead
+        (a consumer's dQ part is the size of its columns of both), which leaves the room for
+        two Q / dO stages: 224 KB at head_dim 256."""
+        return 0 if self.column_split else self.block_m * self.dq_columns * contract.ACCUM_BYTES
+
+    @property
+    def dq_barriers(self) -> int:
+        """The dQ handover's mbarriers. Key split: per consumer dq_full and dq_empty (its staging
+        tile). Column split: per consumer and ring slot dq_full (the slot is the staging; one
+        dq_full per consumer would let the consumers complete two of its phases while the
+        deterministic writer waits for its turn, and the writer would miss one)."""
+        return CONSUMERS * (self.stages if self.column_split else 2)
+
+    @property
+    def smem_pt_offset(self) -> int:
+        return self.smem_ds_offset + self.ds_buffers * self.ds_tile_bytes
 
     @property
     def smem_dq_offset(self) -> int:
-        return self.smem_ds_offset + self.ds_buffers * self.ds_tile_bytes
+        return self.smem_pt_offset + self.pt_buffers * self.ds_tile_bytes
 
     @property
     def smem_rows_offset(self) -> int:
@@ -123,7 +170,7 @@ class Fa3BwdGeometry(TileGeometry):
 
     @property
     def smem_bytes(self) -> int:
-        control = 8 * (MBARRIERS + MBARRIERS_PER_STAGE * self.stages)
+        control = 8 * (1 + self.dq_barriers + MBARRIERS_PER_STAGE * self.stages)  # + kv_full
         # + one atom of slack: the kernel rounds the dynamic window up to 1024-byte alignment.
         return self.smem_barrier_offset + control + SWIZZLE_ATOM_BYTES
 
@@ -138,23 +185,27 @@ class Fa3BwdGeometry(TileGeometry):
 
     @property
     def estimated_registers(self) -> int:
-        """Per consumer thread: dK and dV (64 keys x head_dim each), S^T and dP^T (64 keys x
-        block_m each) and the P^T fragments, live together before dS^T."""
-        key_grads = 2 * CONSUMER_KEYS * self.head_dim // 128
-        scores = 2 * CONSUMER_KEYS * self.block_m // 128
-        return key_grads + scores + scores // 4 + REGISTER_OVERHEAD
+        """Per consumer thread. Column split: its columns of dK and dV (64 keys x head_dim / 2
+        each) and of dQ (block_m x head_dim / 2), live together after the scores died."""
+        if not self.column_split:
+            return self.key_split_registers
+        key_grads = 2 * CONSUMER_KEYS * self.dq_columns // 128
+        dq = self.block_m * self.dq_columns // 128
+        return key_grads + dq + REGISTER_OVERHEAD
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
         if self.head_dim not in HEAD_DIMS:
-            out.append(f"head_dim={self.head_dim}: the FA3 backward takes {HEAD_DIMS} (dK + dV of "
-                       f"{CONSUMER_KEYS} keys per consumer fit its registers there)")
+            out.append(f"head_dim={self.head_dim}: the FA3 backward takes {HEAD_DIMS} (whole TMA "
+                       "boxes of 64 columns, and a consumer's dK, dV columns one wgmma N)")
         if self.block_m != BLOCK_M:
             out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (dS^T rows are one "
                        "128-byte swizzle atom)")
-        if self.block_n != CONSUMERS * CONSUMER_KEYS:
-            out.append(f"tile.block_n={self.block_n}: must be {CONSUMERS * CONSUMER_KEYS} "
-                       f"({CONSUMERS} consumer warpgroups of {CONSUMER_KEYS} keys)")
+        if self.warps == 4 * (CONSUMERS + 1) and self.block_n != self.block_n_of_split:
+            split = ("the column split: both consumer warpgroups share 64 keys" if self.column_split
+                     else f"{CONSUMERS} consumer warpgroups of {CONSUMER_KEYS} keys")
+            out.append(f"tile.block_n={self.block_n}: must be {self.block_n_of_split} at "
+                       f"head_dim={self.head_dim} ({split})")
         if self.warps != 4 * (CONSUMERS + 1):
             out.append(f"tile.warps={self.warps}: must be {4 * (CONSUMERS + 1)} (two consumer "
                        "warpgroups and the producer)")
@@ -193,6 +244,9 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kThreads", g.threads),
             Constexpr("kStages", g.stages),
             Constexpr("kDsBuffers", g.ds_buffers),
+            Constexpr("kPtBuffers", g.pt_buffers),
+            Constexpr("kColumnSplit", g.column_split),
+            Constexpr("kDqBarriers", g.dq_barriers),
             Constexpr("kProducerRegisters", PRODUCER_REGISTERS),
             Constexpr("kConsumerRegisters", g.consumer_registers),
             Constexpr("kLaunchRegisters", g.launch_registers),
@@ -201,6 +255,7 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kSmemQOffset", g.smem_q_offset),
             Constexpr("kSmemDoOffset", g.smem_do_offset),
             Constexpr("kSmemDsOffset", g.smem_ds_offset),
+            Constexpr("kSmemPtOffset", g.smem_pt_offset),
             Constexpr("kSmemDqOffset", g.smem_dq_offset),
             Constexpr("kSmemRowsOffset", g.smem_rows_offset),
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),

@@ -181,18 +181,26 @@ TABLE: tuple[TuningRow, ...] = (
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
               causal=True),
-    # ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block of 128 keys, two consumer
-    # warpgroups of 64 keys (dK, dV in registers), a producer warpgroup, steps of 64 queries (the
-    # kernel's structure, fagen/spec/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
+    # ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block, two consumer warpgroups that
+    # split its keys (head dims 64, 128: 64 keys each, dK and dV in registers) or its columns
+    # (head dim 256), a producer warpgroup, steps of 64 queries (the kernel's structure,
+    # fagen/spec/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
     TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 64,
               "dK + dV 64, S^T + dP^T 64 regs per consumer thread; two Q / dO stages keep the "
-              "next step's loads under this one's MMAs; 114 KB smem. 397 / 438 TFLOP/s non-causal, "
-              "267 / 340 causal (0.81-0.98x cuDNN, run 84)"),
+              "next step's loads under this one's MMAs (a third with the rotated loop: 0.96-1.00x, "
+              "run 87); 114 KB smem. 417 / 466 TFLOP/s non-causal, 315 / 401 causal at 2k / 8k "
+              "(0.96-1.06x cuDNN, run 92)"),
     TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 128,
               "dK + dV 128, S^T + dP^T 64, P^T fragments 16 regs of the 232 a consumer gets; "
               "K, V 64 KB + 2 stages of Q, dO 64 KB + two dS^T buffers 32 KB + dQ staging 32 KB "
-              "= 194 KB, so no third stage fits. 485 / 530 TFLOP/s non-causal, 349 / 465 causal "
-              "(0.90-1.02x cuDNN, run 81)"),
+              "= 194 KB, so no third stage fits. 513 / 542 TFLOP/s non-causal, 400 / 517 causal "
+              "at 2k / 8k (0.97-1.07x cuDNN, run 92)"),
+    TuningRow(Fa3BwdTile(block_n=64, warps=12, stages=2), 256,
+              "the column split (the key split's dK + dV alone would be 256 regs): 64 keys, each "
+              "consumer 128 columns of dK, dV (128 regs) and dQ (64); K, V 64 KB + 2 stages of "
+              "Q, dO 128 KB + P^T, dS^T 32 KB = 226 KB, dQ staged in the step's own Q / dO "
+              "columns. 367 / 395 TFLOP/s non-causal, 324 / 400 causal at 2k / 8k (1.00-1.10x "
+              "cuDNN, run 92)"),
     # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
     # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
     # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation

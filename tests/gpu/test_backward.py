@@ -96,7 +96,7 @@ def test_long_sequence(bundle, head_dim, causal):
 @pytest.mark.parametrize("heads", ((8, 1), (8, 4)), ids=("mqa8to1", "gqa2to1"))
 @pytest.mark.parametrize("size", ((2, 300, 300), (2, 128, 300), (2, 300, 128)), ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_grouped_query_attention(bundle, head_dim, causal, size, heads):
     # dk, dv summed over the query heads each K/V head serves, without repeating K/V.
     check(bundle, *size, *heads, head_dim, torch.bfloat16, causal)
@@ -130,7 +130,7 @@ def test_only_needed_gradients_are_returned(bundle):
 @pytest.mark.parametrize("seqlens", ((1500, 1500), (100, 1000), (1000, 300)),
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_deterministic_mode_is_bitwise_reproducible(bundle, head_dim, causal, seqlens):
     require_backward(bundle, torch.bfloat16, head_dim, causal)
     torch.manual_seed(12)

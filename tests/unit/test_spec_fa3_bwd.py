@@ -33,9 +33,29 @@ def test_auto_tile_is_the_fa3_backward():
     assert (s.launch().tma_q_rows, s.launch().tma_kv_rows) == (64, 128)
 
 
-@pytest.mark.parametrize("head_dim", (96, 192, 256))
-def test_head_dims_beyond_its_registers_are_refused_by_name(head_dim):
-    assert "takes (64, 128)" in error_text(head_dim=head_dim, tile=TILE)
+@pytest.mark.parametrize("head_dim", (96, 192))
+def test_head_dims_outside_its_boxes_are_refused_by_name(head_dim):
+    assert "takes (64, 128, 256)" in error_text(head_dim=head_dim, tile=TILE)
+
+
+def test_head_dim_256_is_the_column_split():
+    s = spec(head_dim=256)
+    g = s.geometry
+    assert (g.column_split, s.tile.block_n, s.launch().tma_kv_rows) == (True, 64, 64)
+    assert g.key_split_registers > g.consumer_registers  # 256 for dK + dV alone
+    assert g.estimated_registers <= g.consumer_registers
+    # K, V 64 KB; 2 stages of Q, dO 128 KB; two P^T and two dS^T tiles 32 KB; dQ staged in the
+    # ring: no staging tiles, and room for two stages.
+    assert (g.dq_stage_bytes, g.pt_buffers, g.dq_barriers) == (0, 2, 4)
+    assert g.smem_rows_offset == 64 * 1024 + 128 * 1024 + 32 * 1024
+    assert g.smem_bytes <= ARCHS[s.arch].max_smem_per_block
+    assert "must be 64 at head_dim=256" in error_text(head_dim=256, tile=TILE)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_smaller_head_dims_are_the_key_split(head_dim):
+    g = spec(head_dim=head_dim).geometry
+    assert (g.column_split, g.block_n_of_split, g.pt_buffers, g.dq_barriers) == (False, 128, 0, 4)
 
 
 @pytest.mark.parametrize("field, value, words", [

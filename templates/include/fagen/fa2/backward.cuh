@@ -288,8 +288,9 @@ struct Backward {
                                 s.dout(stage) + b_lane + warp_query * kPitch);
             }
 
-            // P^T and dS^T, masked (keys past seqlen_k, queries past seqlen_q, causal), into
-            // shared memory as the element type.
+            // P^T and dS^T into shared memory as the element type. The mask (keys past seqlen_k,
+            // queries past seqlen_q, causal) only on the steps that need it, as a branch of its
+            // own (algo::zero_masked_probs says why).
             const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
             const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
             const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
@@ -298,26 +299,36 @@ struct Backward {
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float pt[2], dst[2];
+                for (int i = 0; i < 4; ++i) {
+                    const int query = warp_query + algo::fragment_coord(lane, 0, n, i).col;
+                    const float prob = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][i], p.scale_log2, -lse[query]));
+                    acc_dp[0][n][i] = prob * (acc_dp[0][n][i] - dsum[query]);
+                    acc_s[0][n][i] = prob;
+                }
+            }
+            if (needs_mask) {
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h + c);
-                        const int query = warp_query + f.col;
-                        float prob = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][2 * h + c], p.scale_log2, -lse[query]));
-                        float grad = prob * (acc_dp[0][n][2 * h + c] - dsum[query]);
-                        if (needs_mask) {
-                            const int key_abs = first_key + f.row, query_abs = row_begin + query;
-                            const bool masked = query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs);
-                            if (masked) prob = grad = 0.f;
+                for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
+                        const int key_abs = first_key + f.row, query_abs = first_query + f.col;
+                        if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) {
+                            acc_s[0][n][i] = acc_dp[0][n][i] = 0.f;
                         }
-                        pt[c] = prob;
-                        dst[c] = grad;
                     }
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
                     const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
                     const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
-                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.p() + at)) = Ops::pack(pt[0], pt[1]);
-                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.ds() + at)) = Ops::pack(dst[0], dst[1]);
+                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.p() + at)) =
+                        Ops::pack(acc_s[0][n][2 * h], acc_s[0][n][2 * h + 1]);
+                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.ds() + at)) =
+                        Ops::pack(acc_dp[0][n][2 * h], acc_dp[0][n][2 * h + 1]);
                 }
             }
             __syncthreads();  // P^T and dS^T of the whole block are in shared memory
@@ -435,13 +446,26 @@ struct Backward {
         }
     }
 
+    // A warp's dK or dV rows from the accumulator layout (kKVTiles n8 tiles of columns from
+    // col0): scale * acc as the element type, rows first_key... past seqlen_k left out.
     static __device__ __forceinline__ void store_kv(const FagenBwdParams& p,
                                                     const float (&acc)[1][kKVTiles][4], void* out,
                                                     long long batch_stride, long long row_stride,
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {
-        algo::store_key_rows<Element>(p, static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride,
-                                      row_stride, acc[0], scale, first_key, col0, lane);
+        Element* const origin = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int key = first_key + f.row;
+                if (key < p.seqlen_k) {
+                    *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) =
+                        Ops::pack(acc[0][n][2 * h] * scale, acc[0][n][2 * h + 1] * scale);
+                }
+            }
+        }
     }
 };
 

@@ -6,15 +6,17 @@
 // Three kernels of one cubin (fagen/contract.py, "Backward kernels"): the row kernels of
 // algo/backward_rows.cuh before and after this file's main kernel.
 //
-// One CTA per tile (key block of 128 keys, K/V head, batch), which walks the query blocks of 64
-// rows of every query head its K/V head serves. Roles (warpgroup = 128 threads):
+// One CTA per tile (key block, K/V head, batch), which walks the query blocks of 64 rows of every
+// query head its K/V head serves. Roles (warpgroup = 128 threads):
 //   producer  (warpgroup 0, three roles): one thread loads K_j, V_j once and Q_i, dO_i per
 //             step by TMA into a ring of kStages; warp 1 loads LSE_i and D_i (LSE +inf and D 0 for
 //             the rows past seqlen_q, which TMA fills with zeros: their probabilities and dS come
 //             out 0 with no mask); one thread of warp 2 is the dQ writer, which adds the consumers'
 //             parts of dQ_i to the fp32 accumulator in global memory by TMA reductions (in
 //             deterministic mode in key-block order, behind a counter per query block).
-//   consumers (warpgroups 1 and 2): consumer c owns keys c*64 ... c*64+63 of the tile and keeps
+//   consumers (warpgroups 1 and 2) share the tile in one of two ways (fagen/spec/fa3_bwd.py
+//             derives which from their registers):
+//     key split (head_dim 64, 128; 128 keys): consumer c owns keys c*64 ... c*64+63 and keeps
 //             dK, dV for them in registers. Per step (query block i):
 //               S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T            (wgmma, both operands in smem)
 //               P^T  = exp2(S^T scale_log2 - LSE_i),  dS^T = P^T (dP^T - D_i)   (registers)
@@ -24,12 +26,20 @@
 //             head_dim / 2 columns of dQ over all 128 keys (both consumers' dS^T in smem, a named
 //             barrier between them, two dS^T buffers so that the next step's writes never meet
 //             the other consumer's reads).
+//     column split (head_dim 256; 64 keys): both consumers see all the keys; consumer c owns
+//             columns c*128 ... of dK, dV and dQ, and computes S^T, dP^T for queries c*32 ... of
+//             the step. P^T and dS^T go to shared memory (two buffers each), dV, dK and dQ read
+//             them from there, and a consumer stages its part of dQ_i in its own columns of the
+//             step's Q and dO tiles, which the dQ writer then frees.
+//   At the end each consumer writes its dK, dV through shared memory (the K and V tiles), so
+//   that the global stores are whole 16-byte pieces.
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle; offsets from
 // fagen/spec/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
-// buffers (block_n rows of block_m = 64 elements: one swizzle atom wide), one dQ staging tile per
-// consumer (64 rows x head_dim / 2 fp32 columns, in TMA boxes of 32 columns), kStages pairs of LSE
-// and D (block_m floats each), then the mbarriers.
+// buffers (block_n rows of block_m = 64 elements: one swizzle atom wide), the column split's P^T
+// buffers (the same), the key split's dQ staging tiles (one per consumer, 64 rows x head_dim / 2
+// fp32 columns, in TMA boxes of 32 columns), kStages pairs of LSE and D (block_m floats each),
+// then the mbarriers.
 #pragma once
 
 #include "fagen/algo/backward_rows.cuh"
@@ -70,12 +80,18 @@ struct Backward {
     static constexpr int kStages = Config::kStages;
     static constexpr int kConsumers = 2;
     static constexpr int kConsumerThreads = kConsumers * 128;
-    static constexpr int kConsumerKeys = kBlockN / kConsumers;  // wgmma m64: one consumer's keys
+    // How the consumers share the tile (fagen/spec/fa3_bwd.py): the key split gives each its own
+    // 64 keys with every column; the column split gives both the tile's 64 keys, each with
+    // head_dim / 2 columns of dK, dV and the scores of half of the step's queries.
+    static constexpr bool kColumnSplit = Config::kColumnSplit;
+    static constexpr int kConsumerKeys = kColumnSplit ? kBlockN : kBlockN / kConsumers;  // wgmma m64
+    static constexpr int kScoreQueries = kColumnSplit ? kBlockM / kConsumers : kBlockM;  // of S^T, dP^T
+    static constexpr int kGradColumns = kColumnSplit ? kHeadDim / kConsumers : kHeadDim;  // of dK, dV
     static constexpr int kChunks = kHeadDim / 64;               // 128-byte column chunks
     static constexpr int kQKSteps = kHeadDim / 16;              // k16 steps of S^T and dP^T
     static constexpr int kQuerySteps = kBlockM / 16;            // k16 steps of dV and dK
-    static constexpr int kSTiles = kBlockM / 8;                 // n8 tiles of S^T per warp
-    static constexpr int kKVTiles = kHeadDim / 8;               // n8 tiles of dK, dV per warp
+    static constexpr int kSTiles = kScoreQueries / 8;           // n8 tiles of S^T per warp
+    static constexpr int kKVTiles = kGradColumns / 8;           // n8 tiles of dK, dV per warp
     static constexpr int kDqColumns = kHeadDim / kConsumers;  // a consumer's part of dQ
     static constexpr int kDqTiles = kDqColumns / 8;
     static constexpr int kDqKeySteps = kBlockN / 16;
@@ -95,13 +111,18 @@ struct Backward {
     static_assert(kDqColumns % kDqBoxColumns == 0 && (64 % kDqColumns == 0 || kDqColumns % 64 == 0),
                   "a consumer's dQ columns are whole accumulator boxes inside or across K's chunks");
     static_assert(kDqBoxColumns * 4 == 128, "a box row of the accumulator map is one swizzle row");
-    static_assert(Config::kDsBuffers == 2);
+    static_assert(Config::kDsBuffers == 2 && Config::kPtBuffers == (kColumnSplit ? 2 : 0));
+    static_assert(!kColumnSplit || (kConsumerKeys == kBlockN && kDqColumns == kGradColumns &&
+                                    kDqStageBytes == 2 * (kQBytes / kConsumers)),
+                  "column split: a consumer's dQ part is staged in its columns of the Q and dO tiles");
     static_assert(Config::kSmemKOffset == 0 && Config::kSmemVOffset == kKVBytes &&
                   Config::kSmemQOffset == 2 * kKVBytes &&
                   Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes &&
                   Config::kSmemDsOffset == Config::kSmemDoOffset + kStages * kQBytes &&
-                  Config::kSmemDqOffset == Config::kSmemDsOffset + Config::kDsBuffers * kDsBytes &&
-                  Config::kSmemRowsOffset == Config::kSmemDqOffset + kConsumers * kDqStageBytes &&
+                  Config::kSmemPtOffset == Config::kSmemDsOffset + Config::kDsBuffers * kDsBytes &&
+                  Config::kSmemDqOffset == Config::kSmemPtOffset + Config::kPtBuffers * kDsBytes &&
+                  Config::kSmemRowsOffset ==
+                      Config::kSmemDqOffset + (kColumnSplit ? 0 : kConsumers * kDqStageBytes) &&
                   Config::kSmemBarrierOffset == Config::kSmemRowsOffset + kStages * 2 * kBlockM * 4,
                   "fagen/spec/fa3_bwd.py lays shared memory out the same way");
     static_assert(kQBytes % kAtom == 0 && kKVBytes % kAtom == 0 && kDsBytes % kAtom == 0);
@@ -109,6 +130,8 @@ struct Backward {
     // Named barrier ids; 0 is __syncthreads.
     enum NamedBarrier : int {
         kDsReady = 1,          // both consumers' dS^T are in shared memory (256 threads)
+        kKeyTilesRead = 2,     // both consumers' last products read K and V (256 threads)
+        kKeyGradsStaged = 3,   // + consumer: its dK, dV rows are in shared memory (128 threads)
     };
 
     struct Smem {
@@ -118,16 +141,35 @@ struct Backward {
         __device__ uint32_t q(int st) const { return base + Config::kSmemQOffset + st * kQBytes; }
         __device__ uint32_t dout(int st) const { return base + Config::kSmemDoOffset + st * kQBytes; }
         __device__ uint32_t ds(int buffer) const { return base + Config::kSmemDsOffset + buffer * kDsBytes; }
-        __device__ uint32_t dq(int consumer) const { return base + Config::kSmemDqOffset + consumer * kDqStageBytes; }
+        __device__ uint32_t pt(int buffer) const { return base + Config::kSmemPtOffset + buffer * kDsBytes; }
+        // Box `box` (of kDqBoxColumns) of a consumer's dQ staging for the step in ring slot st:
+        // in its own tile (key split), or in its columns of the slot's Q tile (the first half of
+        // the boxes) and dO tile (column split: free once its dK and dV read them).
+        __device__ uint32_t dq_box(int consumer, int st, int box) const {
+            if constexpr (kColumnSplit) {
+                constexpr int kHalf = kDqStageBytes / kDqBoxBytes / 2;
+                const uint32_t own = consumer * (kQBytes / kConsumers);
+                return (box < kHalf ? q(st) : dout(st)) + own + (box % kHalf) * kDqBoxBytes;
+            } else {
+                return base + Config::kSmemDqOffset + consumer * kDqStageBytes + box * kDqBoxBytes;
+            }
+        }
         __device__ uint32_t lse(int st) const { return base + Config::kSmemRowsOffset + st * 2 * kBlockM * 4; }
         __device__ uint32_t d(int st) const { return lse(st) + kBlockM * 4; }
-        // mbarriers, 8 bytes each: kv_full, per consumer dq_full and dq_empty (its staging tile),
-        // then per stage full (Q, dO, LSE, D) and empty.
+        // mbarriers, 8 bytes each: kv_full; the dQ handover (fagen/spec/fa3_bwd.py, dq_barriers
+        // says why they differ): per consumer dq_full and dq_empty (key split) or per consumer
+        // and ring slot dq_full (column split); then per stage full (Q, dO, LSE, D) and empty.
         __device__ uint32_t kv_full() const { return base + Config::kSmemBarrierOffset; }
-        __device__ uint32_t dq_full(int consumer) const { return kv_full() + 8 * (1 + 2 * consumer); }
-        __device__ uint32_t dq_empty(int consumer) const { return kv_full() + 8 * (2 + 2 * consumer); }
-        __device__ uint32_t full(int st) const { return kv_full() + 8 * (1 + 2 * kConsumers + 2 * st); }
-        __device__ uint32_t empty(int st) const { return kv_full() + 8 * (2 + 2 * kConsumers + 2 * st); }
+        __device__ uint32_t dq_full(int consumer, int st) const {
+            if constexpr (kColumnSplit) return kv_full() + 8 * (1 + consumer * kStages + st);
+            return kv_full() + 8 * (1 + 2 * consumer);
+        }
+        __device__ uint32_t dq_empty(int consumer) const {
+            static_assert(!kColumnSplit);
+            return kv_full() + 8 * (2 + 2 * consumer);
+        }
+        __device__ uint32_t full(int st) const { return kv_full() + 8 * (1 + Config::kDqBarriers + 2 * st); }
+        __device__ uint32_t empty(int st) const { return kv_full() + 8 * (2 + Config::kDqBarriers + 2 * st); }
     };
 
     // The walk of one CTA: key block `n_block` of K/V head `kv_head`, over the query blocks
@@ -229,9 +271,10 @@ struct Backward {
 
     // The dQ writer: per step, once both consumers staged their part of dQ_i, adds them to the
     // accumulator in global memory with TMA reductions and hands the staging tiles back as soon
-    // as they are read (the two parts are disjoint columns). Deterministic mode: first waits for
-    // the query block's counter to reach this tile's rank, then waits for the reductions to
-    // complete and passes the counter on.
+    // as they are read (the two parts are disjoint columns): to the consumers (key split), or as
+    // the ring slot to the loaders (column split). Deterministic mode: first waits for the query
+    // block's counter to reach this tile's rank, then waits for the reductions to complete and
+    // passes the counter on.
     struct DqWrites {
         const FagenBwdParams& p;
         const FagenBwdTmaMaps& maps;
@@ -251,19 +294,24 @@ struct Backward {
             }
 #pragma unroll
             for (int consumer = 0; consumer < kConsumers; ++consumer) {
-                ptx::mbarrier_wait_parity(s.dq_full(consumer), t & 1);
+                ptx::mbarrier_wait_parity(s.dq_full(consumer, t % kStages),
+                                          kColumnSplit ? algo::ring_parity<kStages>(t) : t & 1);
                 const int col0 = consumer * kDqColumns;
 #pragma unroll
                 for (int box = 0; box < kDqColumns / kDqBoxColumns; ++box) {
-                    ptx::cp_reduce_async_bulk_tensor_4d_add(&maps.dq_accum, s.dq(consumer) + box * kDqBoxBytes,
+                    ptx::cp_reduce_async_bulk_tensor_4d_add(&maps.dq_accum, s.dq_box(consumer, t % kStages, box),
                                                             col0 + box * kDqBoxColumns, m_block * kBlockM, head,
                                                             w.batch);
                 }
                 ptx::cp_async_bulk_commit_group();
             }
             ptx::cp_async_bulk_wait_group_read<0>();
+            if constexpr (kColumnSplit) {
+                ptx::mbarrier_arrive(s.empty(t % kStages));
+            } else {
 #pragma unroll
-            for (int consumer = 0; consumer < kConsumers; ++consumer) ptx::mbarrier_arrive(s.dq_empty(consumer));
+                for (int consumer = 0; consumer < kConsumers; ++consumer) ptx::mbarrier_arrive(s.dq_empty(consumer));
+            }
             if (ordered) {
                 ptx::cp_async_bulk_wait_group<0>();
                 __threadfence();
@@ -307,15 +355,15 @@ struct Backward {
                 ptx::wgmma_desc_swizzle128(s.k() + dq_cols_at, kBlockN * 128, kAtom)};
     }
 
-    // acc (this consumer's 64 keys x 64 queries) = rows of `a` (K or V) times the rows of `b`
-    // (Q or dO of stage st), transposed.
+    // acc (this consumer's 64 keys x its kScoreQueries queries) = rows of `a` (K or V) times the
+    // rows of `b` (Q or dO of stage st), transposed.
     static __device__ __forceinline__ void issue_scores(float (&acc)[kSTiles][4], unsigned long long a,
                                                         unsigned long long b, int st) {
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
             const int chunk = kk / 4;
             const uint32_t k_offset = (kk % 4) * 32;  // 16 columns = 32 bytes into the row
-            ptx::wgmma_ss<kBlockM, Config::kIsBf16, 0>(
+            ptx::wgmma_ss<kScoreQueries, Config::kIsBf16, 0>(
                 acc, ptx::wgmma_desc_advance(a, chunk * kBlockN * 128 + k_offset),
                 ptx::wgmma_desc_advance(b, st * kQBytes + chunk * kBlockM * 128 + k_offset), kk > 0);
         }
@@ -334,18 +382,19 @@ struct Backward {
         }
     }
 
-    // dS^T (this consumer's rows of the accumulator layout) into the swizzled dS^T tile: row r,
-    // 16-byte chunk c at chunk c ^ (r % 8). A warp's stores of one n8 tile cover 8 rows x 16
-    // bytes in 8 distinct chunks: all 32 banks, no conflict.
+    // dS^T or P^T (this consumer's rows of the accumulator layout, its queries from first_col on)
+    // into a swizzled tile of 64 queries: row r, 16-byte chunk c at chunk c ^ (r % 8). A warp's
+    // stores of one n8 tile cover 8 rows x 16 bytes in 8 distinct chunks: all 32 banks, no
+    // conflict.
     static __device__ __forceinline__ void store_ds(uint32_t tile, const float (&ds)[kSTiles][4],
-                                                    int first_row, int lane) {
+                                                    int first_row, int first_col, int lane) {
 #pragma unroll
         for (int n = 0; n < kSTiles; ++n) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
                 const int row = first_row + f.row;
-                const uint32_t byte = f.col * 2;
+                const uint32_t byte = (first_col + f.col) * 2;
                 const uint32_t at = row * 128 + ((((byte / 16) ^ (row % 8)) * 16) | (byte % 16));
                 *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
                     Ops::pack(ds[n][2 * h], ds[n][2 * h + 1]);
@@ -353,11 +402,12 @@ struct Backward {
         }
     }
 
-    // A consumer's 64 x 64 part of dQ_i into its staging tile: two TMA boxes of 32 fp32 columns,
-    // each 64 rows of 128 bytes with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8).
-    // A warp's float2 stores of one n8 tile cover 8 rows x 32 bytes in two wavefronts.
-    static __device__ __forceinline__ void store_dq_stage(uint32_t tile, const float (&acc)[kDqTiles][4],
-                                                          int warp, int lane) {
+    // A consumer's part of dQ_i (64 rows x kDqColumns) into its staging (Smem::dq_box): TMA boxes
+    // of 32 fp32 columns, each 64 rows of 128 bytes with the 128-byte swizzle (16-byte chunk c of
+    // row r at c ^ r % 8). A warp's float2 stores of one n8 tile cover 8 rows x 32 bytes in two
+    // wavefronts.
+    static __device__ __forceinline__ void store_dq_stage(const Smem& s, int consumer, int st,
+                                                          const float (&acc)[kDqTiles][4], int warp, int lane) {
 #pragma unroll
         for (int n = 0; n < kDqTiles; ++n) {
 #pragma unroll
@@ -365,15 +415,74 @@ struct Backward {
                 const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
                 const int row = warp * 16 + f.row;
                 const uint32_t byte = (f.col % kDqBoxColumns) * 4;
-                const uint32_t at = (f.col / kDqBoxColumns) * kDqBoxBytes + row * 128 +
+                const uint32_t at = s.dq_box(consumer, st, f.col / kDqBoxColumns) + row * 128 +
                                     ((((byte / 16) ^ (row % 8)) * 16) | (byte % 16));
-                *static_cast<float2*>(__cvta_shared_to_generic(tile + at)) =
+                *static_cast<float2*>(__cvta_shared_to_generic(at)) =
                     make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
             }
         }
     }
 
-    static __device__ void consume(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
+    // ---------------------------------------------------------------- epilogue
+    // dK and dV leave through shared memory, in the K and V tiles (read for the last time by
+    // then): the accumulator layout's 4-byte stores wrote 16 bytes of each of 8 rows per warp
+    // instruction, and took 2.1 us of a 31 us tile at head_dim 64, causal 2k (run 89).
+
+    // scale * acc (a warp's 16 rows from `row`, kKVTiles n8 tiles of columns from col0) as the
+    // element type into the swizzled tile at `tile` (TMA's layout of K and V: chunks of 64 columns
+    // of kBlockN rows of 128 bytes, 16-byte piece j of row r at j ^ r % 8, so a warp's stores of
+    // one n8 tile hit 8 distinct bank groups).
+    static __device__ __forceinline__ void stage_key_rows(uint32_t tile, const float (&acc)[kKVTiles][4],
+                                                          float scale, int row, int col0, int lane) {
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const int r = row + f.row, col = col0 + f.col;
+                const uint32_t byte = (col % 64) * 2;
+                const uint32_t at = (col / 64) * kBlockN * 128 + r * 128 + ((((byte / 16) ^ (r % 8)) * 16) | (byte % 16));
+                *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
+                    Ops::pack(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+            }
+        }
+    }
+
+    // Rows [row0, row0 + 64) x columns [col0, col0 + kGradColumns) of a staged tile to `out` (the
+    // tile's (batch, K/V head) origin, its first key at row 0 of the tile) in 16-byte pieces, so
+    // that a warp writes whole 128-byte row segments; rows past seqlen_k left out.
+    static __device__ __forceinline__ void copy_key_rows(const FagenBwdParams& p, Element* out, long long row_stride,
+                                                         uint32_t tile, int key0, int row0, int col0, int thread) {
+        constexpr int kPieces = kGradColumns / 8;  // 16-byte pieces of a row
+        static_assert((64 * kPieces) % 128 == 0);
+#pragma unroll
+        for (int i = thread; i < 64 * kPieces; i += 128) {
+            const int r = row0 + i / kPieces, col = col0 + (i % kPieces) * 8;
+            const uint32_t at = (col / 64) * kBlockN * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16);
+            const uint4 piece = *static_cast<const uint4*>(__cvta_shared_to_generic(tile + at));
+            const int key = key0 + r;
+            if (key < p.seqlen_k) *reinterpret_cast<uint4*>(out + key * row_stride + col) = piece;
+        }
+    }
+
+    // A consumer's dK and dV rows, once both consumers are done with K and V.
+    static __device__ void store_key_grads(const FagenBwdParams& p, const Smem& s, const Walk& w,
+                                           const float (&acc_dk)[kKVTiles][4], const float (&acc_dv)[kKVTiles][4],
+                                           int consumer, int warp, int lane, int thread) {
+        const int row0 = kColumnSplit ? 0 : consumer * kConsumerKeys;
+        const int col0 = kColumnSplit ? consumer * kGradColumns : 0;
+        ptx::bar_sync(kKeyTilesRead, kConsumerThreads);
+        stage_key_rows(s.k(), acc_dk, p.softmax_scale, row0 + warp * 16, col0, lane);
+        stage_key_rows(s.v(), acc_dv, 1.f, row0 + warp * 16, col0, lane);
+        ptx::bar_sync(kKeyGradsStaged + consumer, 128);
+        copy_key_rows(p, static_cast<Element*>(p.dk) + w.batch * p.dk_batch_stride + w.kv_head * p.dk_head_stride,
+                      p.dk_row_stride, s.k(), w.key_begin(), row0, col0, thread);
+        copy_key_rows(p, static_cast<Element*>(p.dv) + w.batch * p.dv_batch_stride + w.kv_head * p.dv_head_stride,
+                      p.dv_row_stride, s.v(), w.key_begin(), row0, col0, thread);
+    }
+
+    // The key split's consumer: its own 64 keys, every column.
+    static __device__ void consume_keys(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         const int warp = thread / 32, lane = thread % 32;
         const Mask mask{p.seqlen_q, p.seqlen_k};
         const Descriptors desc = descriptors(s, consumer);
@@ -416,12 +525,10 @@ struct Backward {
                 const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
-                    float prob = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
-                    if (needs_mask && mask.masked(row_begin + f.col, first_key + f.row)) prob = 0.f;
-                    acc_s[n][i] = prob;
+                    acc_s[n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
                 }
             }
+            if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, row_begin);
 
             // dS^T, and both P^T and dS^T packed into A fragments one k16 step at a time, so that
             // the fp32 P^T dies as its fragments fill (packing P^T first, before dP^T arrived, kept
@@ -443,7 +550,7 @@ struct Backward {
                 fa2::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
             }
             const int buffer = t % 2;
-            store_ds(s.ds(buffer), acc_dp, consumer * kConsumerKeys + warp * 16, lane);
+            store_ds(s.ds(buffer), acc_dp, consumer * kConsumerKeys + warp * 16, 0, lane);
 
             // dV, then dQ once every dS^T it reads is in shared memory, then dK: dQ's additions
             // to global memory run while the tensor cores work through dK.
@@ -470,9 +577,9 @@ struct Backward {
             // dQ_i into this consumer's staging tile once the dQ writer has read the previous
             // step's (it was handed over a step ago, so this rarely waits), then to the writer.
             ptx::mbarrier_wait_parity(s.dq_empty(consumer), (t & 1) ^ 1);
-            store_dq_stage(s.dq(consumer), acc_dq, warp, lane);
+            store_dq_stage(s, consumer, st, acc_dq, warp, lane);
             ptx::fence_proxy_async_shared_cta();
-            ptx::mbarrier_arrive(s.dq_full(consumer));
+            ptx::mbarrier_arrive(s.dq_full(consumer, st));
             ptx::wgmma_wait_group<0>();  // dK
             ptx::fence_accumulators(acc_dv);
             ptx::fence_accumulators(acc_dk);
@@ -485,14 +592,131 @@ struct Backward {
 
         // The tile's walk again rather than kept across the loop: at head_dim 128, causal, the
         // kept copy spilled.
-        const Walk tile = walk_of_tile(p, tile_of_cta());
-        const int tile_first_key = tile.key_begin() + consumer * kConsumerKeys + warp * 16;
-        algo::store_key_rows<Element>(p, static_cast<Element*>(p.dk) + tile.batch * p.dk_batch_stride +
-                                             tile.kv_head * p.dk_head_stride,
-                                      p.dk_row_stride, acc_dk, p.softmax_scale, tile_first_key, 0, lane);
-        algo::store_key_rows<Element>(p, static_cast<Element*>(p.dv) + tile.batch * p.dv_batch_stride +
-                                             tile.kv_head * p.dv_head_stride,
-                                      p.dv_row_stride, acc_dv, 1.f, tile_first_key, 0, lane);
+        store_key_grads(p, s, walk_of_tile(p, tile_of_cta()), acc_dk, acc_dv, consumer, warp, lane, thread);
+    }
+
+    // acc (64 keys x kGradColumns) += a (P^T or dS^T from shared memory, K-major: keys x 64
+    // queries) times bt (this consumer's columns of Q or dO of stage st, MN-major).
+    static __device__ __forceinline__ void issue_key_grads_ss(float (&acc)[kKVTiles][4], unsigned long long a,
+                                                              unsigned long long bt, int st) {
+#pragma unroll
+        for (int kk = 0; kk < kQuerySteps; ++kk) {
+            ptx::wgmma_ss<kGradColumns, Config::kIsBf16, 1>(
+                acc, ptx::wgmma_desc_advance(a, kk * 32), ptx::wgmma_desc_advance(bt, st * kQBytes + kk * 16 * 128), 1);
+        }
+        ptx::wgmma_commit_group();
+    }
+
+    // The column split's consumer: the tile's 64 keys, its kGradColumns columns of dK, dV and dQ,
+    // and the scores of its half of each step's queries. Per step: S^T, dP^T of its queries; P^T
+    // and dS^T into shared memory; once both consumers' are there, dV, dK and dQ from them; then
+    // its part of dQ into its columns of the step's Q and dO tiles (read by now), for the writer,
+    // which frees the ring slot.
+    static __device__ void consume_columns(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
+        static_assert(kColumnSplit);
+        const int warp = thread / 32, lane = thread % 32;
+        const Mask mask{p.seqlen_q, p.seqlen_k};
+        const Walk w = walk_of_tile(p, tile_of_cta());
+        const int first_key = w.key_begin() + warp * 16;  // this warp's 16 keys
+        const int own_query = consumer * kScoreQueries;   // this consumer's first query of a step
+        const uint32_t own_columns = consumer * (kQBytes / kConsumers);  // its chunks of a Q or dO tile
+        constexpr uint32_t kDoAfterQ = kStages * kQBytes;
+        static_assert(Config::kSmemDoOffset == Config::kSmemQOffset + kDoAfterQ &&
+                      Config::kSmemVOffset == Config::kSmemKOffset + kKVBytes);
+        // S^T, dP^T: K, V (A, K-major) by this consumer's query rows of Q, dO (B, K-major).
+        const unsigned long long k_a = ptx::wgmma_desc_swizzle128(s.k(), 16, kAtom);
+        const unsigned long long v_a = ptx::wgmma_desc_advance(k_a, kKVBytes);
+        const unsigned long long q_b = ptx::wgmma_desc_swizzle128(s.q(0) + own_query * 128, 16, kAtom);
+        const unsigned long long do_b = ptx::wgmma_desc_advance(q_b, kDoAfterQ);
+        // dV, dK: P^T, dS^T (A, K-major) by this consumer's columns of dO, Q (B, MN-major).
+        const unsigned long long pt_a = ptx::wgmma_desc_swizzle128(s.pt(0), 16, kAtom);
+        const unsigned long long ds_ka = ptx::wgmma_desc_swizzle128(s.ds(0), 16, kAtom);
+        const unsigned long long q_bt = ptx::wgmma_desc_swizzle128(s.q(0) + own_columns, kBlockM * 128, kAtom);
+        const unsigned long long do_bt = ptx::wgmma_desc_advance(q_bt, kDoAfterQ);
+        // dQ: dS read MN-major from the dS^T tile (A) by this consumer's columns of K (B, MN-major).
+        const unsigned long long ds_a = ptx::wgmma_desc_swizzle128(s.ds(0), kDsBytes, kAtom);
+        const unsigned long long k_bt = ptx::wgmma_desc_swizzle128(
+            s.k() + consumer * (kDqColumns / 64) * kBlockN * 128, kBlockN * 128, kAtom);
+
+        float acc_dk[kKVTiles][4];
+        float acc_dv[kKVTiles][4];
+#pragma unroll
+        for (int n = 0; n < kKVTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_dk[n][i] = acc_dv[n][i] = 0.f;
+
+        ptx::mbarrier_wait_parity(s.kv_full(), 0);
+        const int head_end = (w.kv_head + 1) * w.group, m_end = w.i_begin + w.i_count;
+        int head = w.kv_head * w.group, m_block = w.i_begin;
+#pragma unroll 1
+        for (int t = 0; m_end > w.i_begin && head < head_end; ++t) {
+            const int st = t % kStages;
+            const int buffer = t % 2;
+            const int query_begin = m_block * kBlockM + own_query;
+            ptx::mbarrier_wait_parity(s.full(st), algo::ring_parity<kStages>(t));
+
+            float acc_s[kSTiles][4];
+            float acc_dp[kSTiles][4];
+            ptx::wgmma_fence();
+            issue_scores(acc_s, k_a, q_b, st);
+            issue_scores(acc_dp, v_a, do_b, st);
+
+            const float* lse = static_cast<const float*>(__cvta_shared_to_generic(s.lse(st))) + own_query;
+            const float* dsum = static_cast<const float*>(__cvta_shared_to_generic(s.d(st))) + own_query;
+            const bool needs_mask = Config::kCausal && mask.block_needs_mask(first_key / 16, query_begin, 16);
+            ptx::wgmma_wait_group<1>();
+            ptx::fence_accumulators(acc_s);
+#pragma unroll
+            for (int n = 0; n < kSTiles; ++n) {
+                const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    acc_s[n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
+                }
+            }
+            if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, query_begin);
+            ptx::wgmma_wait_group<0>();
+            ptx::fence_accumulators(acc_dp);
+#pragma unroll
+            for (int n = 0; n < kSTiles; ++n) {
+                const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    acc_dp[n][i] = acc_s[n][i] * (acc_dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
+                }
+            }
+            store_ds(s.pt(buffer), acc_s, warp * 16, own_query, lane);
+            store_ds(s.ds(buffer), acc_dp, warp * 16, own_query, lane);
+            ptx::fence_proxy_async_shared_cta();  // P^T, dS^T were written through the generic proxy
+            ptx::bar_sync(kDsReady, kConsumerThreads);
+
+            ptx::fence_accumulators(acc_dv);
+            ptx::fence_accumulators(acc_dk);
+            ptx::wgmma_fence();
+            issue_key_grads_ss(acc_dv, ptx::wgmma_desc_advance(pt_a, buffer * kDsBytes), do_bt, st);
+            issue_key_grads_ss(acc_dk, ptx::wgmma_desc_advance(ds_ka, buffer * kDsBytes), q_bt, st);
+            float acc_dq[kDqTiles][4];
+#pragma unroll
+            for (int kk = 0; kk < kDqKeySteps; ++kk) {
+                ptx::wgmma_ss<kDqColumns, Config::kIsBf16, 1, 1>(
+                    acc_dq, ptx::wgmma_desc_advance(ds_a, buffer * kDsBytes + kk * 16 * 128),
+                    ptx::wgmma_desc_advance(k_bt, kk * 16 * 128), kk > 0);
+            }
+            ptx::wgmma_commit_group();
+            ptx::wgmma_wait_group<0>();  // dV and dK read the columns dQ is staged in
+            ptx::fence_accumulators(acc_dv);
+            ptx::fence_accumulators(acc_dk);
+            ptx::fence_accumulators(acc_dq);
+            store_dq_stage(s, consumer, st, acc_dq, warp, lane);
+            ptx::fence_proxy_async_shared_cta();
+            ptx::mbarrier_arrive(s.dq_full(consumer, st));
+            if (++m_block == m_end) {
+                m_block = w.i_begin;
+                ++head;
+            }
+        }
+
+        store_key_grads(p, s, w, acc_dk, acc_dv, consumer, warp, lane, thread);
     }
 
     // ---------------------------------------------------------------- entry
@@ -507,12 +731,18 @@ struct Backward {
             ptx::prefetch_tensormap(&maps.dq_accum);
             ptx::mbarrier_init(s.kv_full(), 1);
             for (int consumer = 0; consumer < kConsumers; ++consumer) {
-                ptx::mbarrier_init(s.dq_full(consumer), 128);
-                ptx::mbarrier_init(s.dq_empty(consumer), 1);
+                if constexpr (kColumnSplit) {
+                    for (int st = 0; st < kStages; ++st) ptx::mbarrier_init(s.dq_full(consumer, st), 128);
+                } else {
+                    ptx::mbarrier_init(s.dq_full(consumer, 0), 128);
+                    ptx::mbarrier_init(s.dq_empty(consumer), 1);
+                }
             }
             for (int st = 0; st < kStages; ++st) {
                 ptx::mbarrier_init(s.full(st), kRowLoaderLanes + 1);  // + the TMA thread
-                ptx::mbarrier_init(s.empty(st), kConsumerThreads);
+                // Freed by the consumers (key split) or by the dQ writer once it read the dQ
+                // staged in the slot (column split).
+                ptx::mbarrier_init(s.empty(st), kColumnSplit ? 1 : kConsumerThreads);
             }
             ptx::fence_mbarrier_init_release_cluster();
         }
@@ -529,7 +759,11 @@ struct Backward {
             }
         } else {
             ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
-            consume(p, s, threadIdx.x / 128 - 1, threadIdx.x % 128);
+            if constexpr (kColumnSplit) {
+                consume_columns(p, s, threadIdx.x / 128 - 1, threadIdx.x % 128);
+            } else {
+                consume_keys(p, s, threadIdx.x / 128 - 1, threadIdx.x % 128);
+            }
         }
     }
 };
