@@ -382,6 +382,29 @@ struct Backward {
         }
     }
 
+    // P^T = exp2(S^T scale_log2 - LSE) in place; `lse` holds the LSE of the consumer's first
+    // query on. The two queries (columns) of a thread's pair in an n8 tile: one 8-byte load.
+    static __device__ __forceinline__ void probabilities(float (&acc)[kSTiles][4], const float* lse,
+                                                         float scale_log2, int lane) {
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n) {
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[n][i] = ptx::ex2_approx_ftz(fmaf(acc[n][i], scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
+            }
+        }
+    }
+
+    // dS^T = P^T (dP^T - D) in place in dP^T's n8 tile n; `dsum` holds D from the consumer's first
+    // query on.
+    static __device__ __forceinline__ void score_grads(float (&dp)[kSTiles][4], const float (&probs)[kSTiles][4],
+                                                       const float* dsum, int n, int lane) {
+        const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dp[n][i] = probs[n][i] * (dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
+    }
+
     // dS^T or P^T (this consumer's rows of the accumulator layout, its queries from first_col on)
     // into a swizzled tile of 64 queries: row r, 16-byte chunk c at chunk c ^ (r % 8). A warp's
     // stores of one n8 tile cover 8 rows x 16 bytes in 8 distinct chunks: all 32 banks, no
@@ -519,15 +542,7 @@ struct Backward {
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
             uint32_t p_frags[kQuerySteps][4];
-#pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
-                // The two queries (columns) of a thread's pair in this n8 tile: one 8-byte load.
-                const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc_s[n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
-                }
-            }
+            probabilities(acc_s, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, row_begin);
 
             // dS^T, and both P^T and dS^T packed into A fragments one k16 step at a time, so that
@@ -539,13 +554,7 @@ struct Backward {
 #pragma unroll
             for (int kk = 0; kk < kQuerySteps; ++kk) {
 #pragma unroll
-                for (int n = 2 * kk; n < 2 * kk + 2; ++n) {
-                    const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc_dp[n][i] = acc_s[n][i] * (acc_dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
-                    }
-                }
+                for (int n = 2 * kk; n < 2 * kk + 2; ++n) score_grads(acc_dp, acc_s, dsum, n, lane);
                 fa2::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
                 fa2::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
             }
@@ -666,25 +675,12 @@ struct Backward {
             const bool needs_mask = Config::kCausal && mask.block_needs_mask(first_key / 16, query_begin, 16);
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
-#pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
-                const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc_s[n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[n][i], p.scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
-                }
-            }
+            probabilities(acc_s, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, query_begin);
             ptx::wgmma_wait_group<0>();
             ptx::fence_accumulators(acc_dp);
 #pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
-                const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc_dp[n][i] = acc_s[n][i] * (acc_dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
-                }
-            }
+            for (int n = 0; n < kSTiles; ++n) score_grads(acc_dp, acc_s, dsum, n, lane);
             store_ds(s.pt(buffer), acc_s, warp * 16, own_query, lane);
             store_ds(s.ds(buffer), acc_dp, warp * 16, own_query, lane);
             ptx::fence_proxy_async_shared_cta();  // P^T, dS^T were written through the generic proxy
