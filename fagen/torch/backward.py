@@ -98,9 +98,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, bundle, deterministic):
         out, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, bundle)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, softmax_scale, bundle, deterministic)
-        ctx.mark_non_differentiable(lse)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, bundle, deterministic), (out, lse))
         return out, lse
 
     @staticmethod

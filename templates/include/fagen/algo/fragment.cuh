@@ -30,6 +30,15 @@ __device__ __forceinline__ void clear_fragment(float (&acc)[kM][kN][4]) {
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
 }
 
+// The same for one row of tiles (a wgmma accumulator: kN n8 tiles of a warpgroup's m64).
+template <int kN>
+__device__ __forceinline__ void clear_fragment(float (&acc)[kN][4]) {
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

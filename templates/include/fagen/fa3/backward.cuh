@@ -514,10 +514,8 @@ struct Backward {
 
         float acc_dk[kKVTiles][4];
         float acc_dv[kKVTiles][4];
-#pragma unroll
-        for (int n = 0; n < kKVTiles; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc_dk[n][i] = acc_dv[n][i] = 0.f;
+        algo::clear_fragment(acc_dk);
+        algo::clear_fragment(acc_dv);
 
         ptx::mbarrier_wait_parity(s.kv_full(), 0);
         // The steps: query heads of the group outer, query blocks inner, counted without
@@ -572,13 +570,7 @@ struct Backward {
             ptx::bar_sync(kDsReady, kConsumerThreads);
             float acc_dq[kDqTiles][4];
             ptx::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kDqKeySteps; ++kk) {
-                ptx::wgmma_ss<kDqColumns, Config::kIsBf16, 1, 1>(
-                    acc_dq, ptx::wgmma_desc_advance(desc.ds_a, buffer * kDsBytes + kk * 16 * 128),
-                    ptx::wgmma_desc_advance(desc.k_bt, kk * 16 * 128), kk > 0);
-            }
-            ptx::wgmma_commit_group();
+            issue_dq(acc_dq, desc.ds_a, desc.k_bt, buffer);
             issue_key_grads(acc_dk, ds_frags, desc.q_bt(), st);
             ptx::wgmma_commit_group();
             ptx::wgmma_wait_group<1>();  // dV and dQ; dK runs on
@@ -602,6 +594,19 @@ struct Backward {
         // The tile's walk again rather than kept across the loop: at head_dim 128, causal, the
         // kept copy spilled.
         store_key_grads(p, s, walk_of_tile(p, tile_of_cta()), acc_dk, acc_dv, consumer, warp, lane, thread);
+    }
+
+    // acc (64 queries x this consumer's kDqColumns) = dS (read MN-major from dS^T buffer
+    // `buffer`) times K's columns at k_bt (MN-major, N = columns, K = the tile's keys).
+    static __device__ __forceinline__ void issue_dq(float (&acc)[kDqTiles][4], unsigned long long ds_a,
+                                                    unsigned long long k_bt, int buffer) {
+#pragma unroll
+        for (int kk = 0; kk < kDqKeySteps; ++kk) {
+            ptx::wgmma_ss<kDqColumns, Config::kIsBf16, 1, 1>(
+                acc, ptx::wgmma_desc_advance(ds_a, buffer * kDsBytes + kk * 16 * 128),
+                ptx::wgmma_desc_advance(k_bt, kk * 16 * 128), kk > 0);
+        }
+        ptx::wgmma_commit_group();
     }
 
     // acc (64 keys x kGradColumns) += a (P^T or dS^T from shared memory, K-major: keys x 64
@@ -649,10 +654,8 @@ struct Backward {
 
         float acc_dk[kKVTiles][4];
         float acc_dv[kKVTiles][4];
-#pragma unroll
-        for (int n = 0; n < kKVTiles; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc_dk[n][i] = acc_dv[n][i] = 0.f;
+        algo::clear_fragment(acc_dk);
+        algo::clear_fragment(acc_dv);
 
         ptx::mbarrier_wait_parity(s.kv_full(), 0);
         const int head_end = (w.kv_head + 1) * w.group, m_end = w.i_begin + w.i_count;
@@ -692,13 +695,7 @@ struct Backward {
             issue_key_grads_ss(acc_dv, ptx::wgmma_desc_advance(pt_a, buffer * kDsBytes), do_bt, st);
             issue_key_grads_ss(acc_dk, ptx::wgmma_desc_advance(ds_ka, buffer * kDsBytes), q_bt, st);
             float acc_dq[kDqTiles][4];
-#pragma unroll
-            for (int kk = 0; kk < kDqKeySteps; ++kk) {
-                ptx::wgmma_ss<kDqColumns, Config::kIsBf16, 1, 1>(
-                    acc_dq, ptx::wgmma_desc_advance(ds_a, buffer * kDsBytes + kk * 16 * 128),
-                    ptx::wgmma_desc_advance(k_bt, kk * 16 * 128), kk > 0);
-            }
-            ptx::wgmma_commit_group();
+            issue_dq(acc_dq, ds_a, k_bt, buffer);
             ptx::wgmma_wait_group<0>();  // dV and dK read the columns dQ is staged in
             ptx::fence_accumulators(acc_dv);
             ptx::fence_accumulators(acc_dk);
