@@ -63,6 +63,14 @@ class Fa2BwdGeometry(TileGeometry):
         return self.head_dim // self.col_splits
 
     @property
+    def probs_in_registers(self) -> bool:
+        """A warp that holds all of a step's queries for its keys (one column part) multiplies
+        its P^T and dS^T into dV and dK straight from the S^T / dP^T accumulators; with more
+        parts the products need the other warps' columns, so P^T goes through shared memory.
+        dS^T always does: dQ = dS K reads it across the key groups."""
+        return self.col_splits == 1
+
+    @property
     def query_groups(self) -> int:
         return self.block_m // WARP_KEYS
 
@@ -88,7 +96,8 @@ class Fa2BwdGeometry(TileGeometry):
     def smem_bytes(self) -> int:
         kv = 2 * self.block_n * self.row_pitch_bytes
         stage = 2 * self.block_m * self.row_pitch_bytes + 2 * self.block_m * 4  # Q, dO, LSE, D
-        return kv + self.stages * stage + 2 * self.block_n * self.p_row_pitch_bytes
+        p_tiles = 1 if self.probs_in_registers else 2  # dS^T, and P^T unless in registers
+        return kv + self.stages * stage + p_tiles * self.block_n * self.p_row_pitch_bytes
 
     @property
     def estimated_registers(self) -> int:
@@ -161,6 +170,7 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kKVInRegisters", g.kv_in_registers),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),
             Constexpr("kPRowPitchBytes", g.p_row_pitch_bytes),
+            Constexpr("kProbsInRegisters", g.probs_in_registers),
             Constexpr("kSmemBytes", g.smem_bytes),
             # sm_90 adds dQ's column pairs in one vector reduction (ptx/red.cuh).
             Constexpr("kPairedReductions", ARCHS[self.arch].compute_capability >= (9, 0)),

@@ -79,22 +79,20 @@ TABLE: tuple[TuningRow, ...] = (
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
     # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers (16 keys per
     # warp, the warps of a key group splitting head_dim) and walks the query blocks. Register
-    # and shared-memory counts are the geometry's (fagen/spec/fa2_bwd.py); speeds from the H200
-    # sweep of run 68 (bench.tile_sweep, bf16, 4k; 2026-12-01), against SDPA-FA2's backward. ----
+    # and shared-memory counts are the geometry's (fagen/spec/fa2_bwd.py) and ptxas's (sm90,
+    # bf16); speeds from the H200 sweep of run 98 (bench.tile_sweep, bf16, 4k; 2026-12-01),
+    # against SDPA-FA2's backward in the same run. ----
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, kv_in_registers=True), 64,
-              "causal: K and V fragments in registers (each warp's 16 rows, read once): 146 "
-              "against 137 TFLOP/s without (0.59 / 0.56x SDPA-FA2); 109 KB smem",
-              causal=True),
-    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2), 64,
-              "8 key groups of 16: dK + dV 64, S^T + dP^T 64 regs per thread: 158 TFLOP/s (0.57x "
-              "SDPA-FA2) against 148 for 64 x 64 with 4 warps; with K, V in registers the "
-              "non-causal kernel spills 24 bytes; 109 KB smem"),
+              "8 key groups of 16, each warp's K and V rows read once into registers: 218 / 208 "
+              "TFLOP/s full / causal (0.78 / 0.85x SDPA-FA2) against 208 / 199 without; 234 regs, "
+              "91 KB smem"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=4, stages=1), 64,
               "fallback for 99 KB parts: 55 KB"),
-    TuningRow(Fa2BwdTile(block_m=32, block_n=128, warps=8, stages=2), 128,
-              "32 queries per step, 128 keys per CTA (half the dQ reductions of block_n 64): "
-              "146 / 162 TFLOP/s causal / full against 132 / 141 for 64 x 64 with 8 warps and "
-              "113 / 125 with 4 (244-246 regs, no spills); 123 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2), 128,
+              "64 queries per step, 128 keys per CTA (half the dQ reductions of block_n 64): 237 "
+              "/ 216 TFLOP/s full / causal (0.78 / 0.80x SDPA-FA2) against 216 / 193 for 32 "
+              "queries (run 68: 32 x 128 beat 64 x 64 by 11-15 %); 254-255 regs, no spills (one "
+              "Q / dO stage spills); 155 KB smem"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 128,
               "fallback for 99 KB parts: one Q / dO buffer, 87 KB"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2), 256,

@@ -12,7 +12,8 @@
 //               per query head), from the first block whose rows see key j (causal) on. Per
 //               block:  S^T = K_j Q_i^T, P^T = exp2(S^T scale_log2 - LSE_i),
 //                       dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i),
-//               P^T and dS^T go to shared memory (in the element type), then
+//               dS^T goes to shared memory (in the element type), and P^T too unless a
+//               warp holds all of the step's queries (kProbsInRegisters), then
 //                       dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j
 //               with dQ_i added to the fp32 accumulator in global memory: atomics, or in key-block
 //               order behind a counter per query block (deterministic mode).
@@ -23,9 +24,10 @@
 // kQueryGroups groups of 16 queries times kDqSplits parts of head_dim.
 //
 // Shared memory: K_j, V_j (block_n rows each), then kStages stages of Q_i, dO_i (block_m rows
-// each), LSE_i and D_i (block_m floats each), then P^T and dS^T (block_n rows of block_m).
-// Rows of head_dim elements have the forward's padded pitch; P^T / dS^T rows one 16-byte vector
-// more than block_m elements, for the same reason (ldmatrix without bank conflicts).
+// each), LSE_i and D_i (block_m floats each), then dS^T and, unless kProbsInRegisters, P^T
+// (block_n rows of block_m each). Rows of head_dim elements have the forward's padded pitch;
+// P^T / dS^T rows one 16-byte vector more than block_m elements, for the same reason (ldmatrix
+// without bank conflicts).
 #pragma once
 #include "fagen/types.cuh"
 
@@ -92,9 +94,12 @@ struct Backward {
     static constexpr int kQTileBytes = kBlockM * kPitch;          // Q_i or dO_i
     static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kBlockM * 4;
     static constexpr int kStagesOffset = 2 * kTileBytes;
-    static constexpr int kPOffset = kStagesOffset + Config::kStages * kStageBytes;
+    static constexpr int kDsOffset = kStagesOffset + Config::kStages * kStageBytes;
     static constexpr int kPTileBytes = kBlockN * kPPitch;
-    static_assert(kPOffset + 2 * kPTileBytes == Config::kSmemBytes);
+    static constexpr bool kProbsInRegisters = Config::kProbsInRegisters;
+    static_assert(kProbsInRegisters == (kColSplits == 1),
+                  "P^T stays in registers exactly when a warp holds all of a step's queries");
+    static_assert(kDsOffset + (kProbsInRegisters ? 1 : 2) * kPTileBytes == Config::kSmemBytes);
 
     struct Smem {
         uint32_t base;
@@ -104,8 +109,8 @@ struct Backward {
         __device__ uint32_t dout(int stage) const { return q(stage) + kQTileBytes; }
         __device__ uint32_t lse(int stage) const { return q(stage) + 2 * kQTileBytes; }
         __device__ uint32_t d(int stage) const { return lse(stage) + kBlockM * 4; }
-        __device__ uint32_t p() const { return base + kPOffset; }
-        __device__ uint32_t ds() const { return base + kPOffset + kPTileBytes; }
+        __device__ uint32_t ds() const { return base + kDsOffset; }
+        __device__ uint32_t p() const { return ds() + kPTileBytes; }  // unless kProbsInRegisters
     };
 
     // ---------------------------------------------------------------- warp products
@@ -115,7 +120,7 @@ struct Backward {
     static __device__ __forceinline__ void warp_product_nt(float (&acc)[1][kN][4], uint32_t a,
                                                            uint32_t b) {
         algo::clear_fragment(acc);
-#pragma unroll 1
+#pragma unroll
         for (int kk = 0; kk < kDSteps; ++kk) {
             uint32_t frag_a[4];
             ptx::ldmatrix_x4(frag_a, a + kk * 32);
@@ -179,15 +184,71 @@ struct Backward {
         }
     }
 
-    // ---------------------------------------------------------------- main
-    // LSE or D of a query block into shared memory: `valid` floats of `src`, zeros after them
-    // (plain loads: a 16-byte copy could read past the end of the array, and the rows past
-    // seqlen_q must hold finite values, since 0 * (dP - D) must stay 0).
-    static __device__ __forceinline__ void load_floats(uint32_t dst, const float* src, int valid,
-                                                       int tid) {
-        float* out = static_cast<float*>(__cvta_shared_to_generic(dst));
-        for (int i = tid; i < kBlockM; i += kThreads) out[i] = i < valid ? src[i] : 0.f;
+    // warp_product_nn with A from an accumulator over the step's queries (P^T or dS^T in the
+    // layout of algo/fragment.cuh, rounded to the element type per k16 step), B (block_m x
+    // 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
+    template <int kN>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[1][kN][4],
+                                                           const float (&a)[kSTiles][4], uint32_t b) {
+#pragma unroll
+        for (int kk = 0; kk < kMSteps; ++kk) {
+            uint32_t frag_a[4];
+            pack_a_fragment<Element>(frag_a, a, kk);
+#pragma unroll
+            for (int dp = 0; dp < kN / 2; ++dp) {
+                uint32_t frag_b[4];
+                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
+                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
+                Ops::mma(acc[0][2 * dp], frag_a, lo);
+                Ops::mma(acc[0][2 * dp + 1], frag_a, hi);
+            }
+        }
     }
+
+    // A warp's 16 x (8*kSTiles) part of P^T or dS^T into its tile in shared memory, as the
+    // element type.
+    static __device__ __forceinline__ void store_probs(uint32_t tile, const float (&acc)[1][kSTiles][4],
+                                                       int warp_key, int warp_query, int lane) {
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
+                const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
+                *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
+                    Ops::pack(acc[0][n][2 * h], acc[0][n][2 * h + 1]);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- main
+    // LSE and D of a query block into shared memory, one float per thread of the first
+    // 2 * kBlockM, with cp.async like the tiles (a plain load's wait stalled its warp inside
+    // every step). Rows past seqlen_q arrive as zeros: finite, since 0 * (dP - D) must stay 0
+    // (4-byte copies: a 16-byte one could read past the end of the array).
+    static_assert(2 * kBlockM <= kThreads, "one thread per float of LSE_i and D_i");
+    static __device__ __forceinline__ void load_row_floats(uint32_t lse_dst, uint32_t d_dst,
+                                                           const FagenBwdParams& p, long long row0,
+                                                           int rows_valid, int tid) {
+        if (tid < 2 * kBlockM) {
+            const int row = tid % kBlockM;
+            const float* src = (tid < kBlockM ? p.lse_log2 : p.softmax_d) + row0 + row;
+            ptx::cp_async_ca_4((tid < kBlockM ? lse_dst : d_dst) + row * 4, src, row < rows_valid);
+        }
+    }
+
+    // The CTA's walk over (query head, query block) pairs, heads outer: advanced one step at a
+    // time (a division of the step index by the blocks per head cost ~25 instructions twice a
+    // step).
+    struct StepCursor {
+        int head, block;
+        __device__ void advance(int first_block, int blocks) {
+            if (++block == blocks) {
+                block = first_block;
+                ++head;
+            }
+        }
+    };
 
     static __device__ void run(const FagenBwdParams& p, char* smem_raw) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -210,25 +271,39 @@ struct Backward {
         const int key_group = warp % kKeyGroups, col_split = warp / kKeyGroups;
         const int query_group = warp % kQueryGroups, dq_split = warp / kQueryGroups;
 
-        auto step_head = [&](int t) { return kv_head * group + t / i_count; };
-        auto step_block = [&](int t) { return i_begin + t % i_count; };
         auto head_row0 = [&](int head) {
             return (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
         };
-        auto load_step = [&](int t, int stage) {
-            const int head = step_head(t), row_begin = step_block(t) * kBlockM;
-            const int rows_valid = p.seqlen_q - row_begin;
-            const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
-                               head * p.q_head_stride + row_begin * p.q_row_stride;
-            const Element* dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                                  head * p.do_head_stride + row_begin * p.do_row_stride;
-            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q, p.q_row_stride,
+        // The next step to load: its rows of Q and dO and its first row in LSE and D, moved
+        // one query block on per step and recomputed only when the walk moves to the next head.
+        StepCursor loading{kv_head * group, i_begin};
+        const Element *q_rows, *dout_rows;
+        long long lse_row0;
+        auto point_loads_at_head = [&] {
+            const int row_begin = i_begin * kBlockM;
+            q_rows = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
+                     loading.head * p.q_head_stride + row_begin * p.q_row_stride;
+            dout_rows = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                        loading.head * p.do_head_stride + row_begin * p.do_row_stride;
+            lse_row0 = head_row0(loading.head) + row_begin;
+        };
+        point_loads_at_head();
+        auto load_step = [&](int stage) {
+            const int rows_valid = p.seqlen_q - loading.block * kBlockM;
+            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q_rows, p.q_row_stride,
                                                                           rows_valid, tid);
-            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.dout(stage), dout,
+            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.dout(stage), dout_rows,
                                                                           p.do_row_stride, rows_valid, tid);
-            const long long row0 = head_row0(head) + row_begin;
-            load_floats(s.lse(stage), p.lse_log2 + row0, rows_valid, tid);
-            load_floats(s.d(stage), p.softmax_d + row0, rows_valid, tid);
+            load_row_floats(s.lse(stage), s.d(stage), p, lse_row0, rows_valid, tid);
+            const int head = loading.head;
+            loading.advance(i_begin, m_blocks);
+            if (loading.head != head) {
+                point_loads_at_head();
+            } else {
+                q_rows += kBlockM * p.q_row_stride;
+                dout_rows += kBlockM * p.do_row_stride;
+                lse_row0 += kBlockM;
+            }
         };
 
         float acc_dk[1][kKVTiles][4];
@@ -238,7 +313,7 @@ struct Backward {
 
         algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.k(), k, p.k_row_stride, keys_valid, tid);
         algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.v(), v, p.v_row_stride, keys_valid, tid);
-        if (steps > 0) load_step(0, 0);
+        if (steps > 0) load_step(0);
         ptx::cp_async_commit_group();
 
         // Per-lane byte offsets of the ldmatrix row addresses (forward.cuh has the same three):
@@ -258,20 +333,29 @@ struct Backward {
         // traffic of those two products).
         KeyFragments k_frags, v_frags;
 
-        for (int t = 0; t < steps; ++t) {
+        StepCursor current{kv_head * group, i_begin};
+        for (int t = 0; t < steps; ++t, current.advance(i_begin, m_blocks)) {
             const int stage = Config::kStages == 2 ? t % 2 : 0;
             ptx::cp_async_wait_group<0>();
             __syncthreads();  // step t landed; every warp is done with step t-1
             if constexpr (Config::kStages == 2) {
-                if (t + 1 < steps) load_step(t + 1, (t + 1) % 2);
+                if (t + 1 < steps) load_step((t + 1) % 2);
                 ptx::cp_async_commit_group();
             }
-            const int head = step_head(t), m_block = step_block(t);
+            const int head = current.head, m_block = current.block;
             const int row_begin = m_block * kBlockM;
 
-            // S^T and dP^T for this warp's 16 keys and its part of the queries, one product
-            // after the other (interleaved, ptxas keeps both operand streams in flight and
-            // spills at head dims 192-256).
+            // S^T, then P^T = exp2(S^T scale_log2 - LSE) with the mask (keys past seqlen_k,
+            // queries past seqlen_q, causal) applied only on the steps that need it, as a branch
+            // of its own (algo::zero_masked_probs says why), then dP^T and dS^T = P^T (dP^T - D):
+            // for this warp's 16 keys and its part of the queries. Masking P^T before dP^T exists
+            // zeroes dS^T with it and keeps the mask's predicates clear of the dP^T accumulator
+            // (with both live, the causal 64-query tile at head_dim 128 spilled).
+            const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
+            const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
+            const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
+            const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
+                                    mask.block_needs_mask(first_key / 16, first_query, 16);
             float acc_s[1][kSTiles][4];
             float acc_dp[1][kSTiles][4];
             if constexpr (Config::kKVInRegisters) {
@@ -280,30 +364,16 @@ struct Backward {
                     v_frags.load(s.v() + a_lane + warp_key * kPitch);
                 }
                 warp_product_nt(acc_s, k_frags, s.q(stage) + b_lane + warp_query * kPitch);
-                warp_product_nt(acc_dp, v_frags, s.dout(stage) + b_lane + warp_query * kPitch);
             } else {
                 warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch,
                                 s.q(stage) + b_lane + warp_query * kPitch);
-                warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
-                                s.dout(stage) + b_lane + warp_query * kPitch);
             }
-
-            // P^T and dS^T into shared memory as the element type. The mask (keys past seqlen_k,
-            // queries past seqlen_q, causal) only on the steps that need it, as a branch of its
-            // own (algo::zero_masked_probs says why).
-            const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
-            const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
-            const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
-            const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
-                                    mask.block_needs_mask(first_key / 16, first_query, 16);
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int query = warp_query + algo::fragment_coord(lane, 0, n, i).col;
-                    const float prob = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][i], p.scale_log2, -lse[query]));
-                    acc_dp[0][n][i] = prob * (acc_dp[0][n][i] - dsum[query]);
-                    acc_s[0][n][i] = prob;
+                    acc_s[0][n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][i], p.scale_log2, -lse[query]));
                 }
             }
             if (needs_mask) {
@@ -313,43 +383,54 @@ struct Backward {
                     for (int i = 0; i < 4; ++i) {
                         const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
                         const int key_abs = first_key + f.row, query_abs = first_query + f.col;
-                        if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) {
-                            acc_s[0][n][i] = acc_dp[0][n][i] = 0.f;
-                        }
+                        if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[0][n][i] = 0.f;
                     }
                 }
+            }
+            if constexpr (Config::kKVInRegisters) {
+                warp_product_nt(acc_dp, v_frags, s.dout(stage) + b_lane + warp_query * kPitch);
+            } else {
+                warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
+                                s.dout(stage) + b_lane + warp_query * kPitch);
             }
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                    const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
-                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.p() + at)) =
-                        Ops::pack(acc_s[0][n][2 * h], acc_s[0][n][2 * h + 1]);
-                    *static_cast<uint32_t*>(__cvta_shared_to_generic(s.ds() + at)) =
-                        Ops::pack(acc_dp[0][n][2 * h], acc_dp[0][n][2 * h + 1]);
+                for (int i = 0; i < 4; ++i) {
+                    const int query = warp_query + algo::fragment_coord(lane, 0, n, i).col;
+                    acc_dp[0][n][i] = acc_s[0][n][i] * (acc_dp[0][n][i] - dsum[query]);
                 }
             }
-            __syncthreads();  // P^T and dS^T of the whole block are in shared memory
+            store_probs(s.ds(), acc_dp, warp_key, warp_query, lane);
 
-            // dV += P^T dO and dK += dS^T Q: this warp's 16 keys, its part of head_dim.
+            // dV += P^T dO and dK += dS^T Q: this warp's 16 keys, its part of head_dim. With
+            // every query of the step in this warp, P^T and dS^T are A operands straight from
+            // the accumulators (the C fragments of two n8 tiles are the A fragment of a k16
+            // step), and the products run while the other warps finish their dS^T.
             const uint32_t kv_col_bytes = col_split * kKVCols * 2;
-            warp_product_nn<kMSteps>(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
-                                     s.dout(stage) + bt_lane + kv_col_bytes, kPitch);
-            warp_product_nn<kMSteps>(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
-                                     s.q(stage) + bt_lane + kv_col_bytes, kPitch);
+            if constexpr (kProbsInRegisters) {
+                warp_product_nn(acc_dv, acc_s[0], s.dout(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn(acc_dk, acc_dp[0], s.q(stage) + bt_lane + kv_col_bytes);
+                __syncthreads();  // dS^T of the whole block is in shared memory
+            } else {
+                store_probs(s.p(), acc_s, warp_key, warp_query, lane);
+                __syncthreads();  // P^T and dS^T of the whole block are in shared memory
+                warp_product_nn<kMSteps>(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
+                                         s.dout(stage) + bt_lane + kv_col_bytes, kPitch);
+                warp_product_nn<kMSteps>(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
+                                         s.q(stage) + bt_lane + kv_col_bytes, kPitch);
+            }
 
             // dQ (16 queries x kDqCols) += dS K, added to the accumulator in global memory in
             // chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV spills at
             // head_dim 256).
             DqTurn turn(p, mask, batch, head, m_block, n_block);
-#pragma unroll 1
+#pragma unroll
             for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
                 const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
                 float acc_dq[1][kDqChunkTiles][4];
                 algo::clear_fragment(acc_dq);
-#pragma unroll 1
+#pragma unroll
                 for (int kk = 0; kk < kNSteps; ++kk) {
                     uint32_t a_ds[4];
                     ptx::ldmatrix_x4_trans(a_ds, s.ds() + pat_lane + kk * 16 * kPPitch + query_group * 32);
@@ -362,14 +443,19 @@ struct Backward {
                         Ops::mma(acc_dq[0][2 * dp + 1], a_ds, k_hi);
                     }
                 }
-                add_dq(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
-                       query_group * 16, dq_col, lane, turn.ordered());
+                if (turn.ordered()) {
+                    add_dq<true>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
+                                 query_group * 16, dq_col, lane);
+                } else {
+                    add_dq<false>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
+                                  query_group * 16, dq_col, lane);
+                }
             }
             turn.pass();
 
             if constexpr (Config::kStages == 1) {
                 __syncthreads();  // every warp is done with Q_i, dO_i
-                if (t + 1 < steps) load_step(t + 1, 0);
+                if (t + 1 < steps) load_step(0);
                 ptx::cp_async_commit_group();
             }
         }
@@ -417,22 +503,22 @@ struct Backward {
         }
     };
 
-    // A warp's 16 x 8*kTiles part of dQ_i, at columns col0.., into the accumulator.
-    template <int kTiles>
+    // A warp's 16 x 8*kTiles part of dQ_i, at columns col0.., into the accumulator: one
+    // address per thread, the tiles at constant offsets from it, rows past seqlen_q left out.
+    template <bool kOrdered, int kTiles>
     static __device__ __forceinline__ void add_dq(const FagenBwdParams& p,
                                                   const float (&acc)[1][kTiles][4], long long row0,
-                                                  int rows_valid, int warp_row, int col0, int lane,
-                                                  bool ordered) {
-        float* accum = p.dq_accum + row0 * kHeadDim;
+                                                  int rows_valid, int warp_row, int col0, int lane) {
+        const algo::FragmentCoord first = algo::fragment_coord(lane, 0, 0, 0);
+        float* const origin = p.dq_accum + (row0 + warp_row + first.row) * kHeadDim + col0 + first.col;
+        const int row = warp_row + first.row;
 #pragma unroll
-        for (int n = 0; n < kTiles; ++n) {
+        for (int h = 0; h < 2; ++h) {
+            if (row + 8 * h >= rows_valid) continue;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                const int row = warp_row + f.row;
-                if (row >= rows_valid) continue;
-                float* at = accum + row * static_cast<long long>(kHeadDim) + col0 + f.col;
-                if (ordered) {
+            for (int n = 0; n < kTiles; ++n) {
+                float* at = origin + 8 * h * kHeadDim + 8 * n;
+                if constexpr (kOrdered) {
                     const float2 old = __ldcg(reinterpret_cast<const float2*>(at));
                     __stcg(reinterpret_cast<float2*>(at),
                            make_float2(old.x + acc[0][n][2 * h], old.y + acc[0][n][2 * h + 1]));
