@@ -19,7 +19,7 @@ from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import MMA_K, VECTOR_BYTES, Fa2ForwardSpec
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 
-WARP_KEYS = 16  # each warp's S^T and dK / dV rows: one m16 tile of keys
+MMA_M = 16  # rows of an mma.sync m16n8k16 tile: the unit of a warp's keys and dQ rows
 WARP_CHOICES = (4, 8)
 STAGE_CHOICES = (1, 2)  # Q_i, dO_i buffers: 2 = the next query block loads during this one
 # Registers beyond dK / dV and S^T / dP^T (the largest live set): addresses, loop state, the
@@ -37,17 +37,30 @@ class Fa2BwdTile(TileBase):
     kv_in_registers: bool = Field(
         False, description="each warp keeps its rows of K and V as mma fragments in registers "
         "for the whole walk instead of reading them from shared memory every step")
+    warp_keys: int = Field(
+        MMA_M, gt=0, description="keys per warp in S^T, dP^T, dK and dV (a multiple of 16): "
+        "more rows per warp read each shared-memory operand for more MMAs")
+    warp_queries: int = Field(
+        MMA_M, gt=0, description="query rows per warp in dQ (a multiple of 16)")
 
-    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (("kv_in_registers", "kr"),)
+    SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("kv_in_registers", "kr"), ("warp_keys", "wk"), ("warp_queries", "wq"))
+
+    def _suffix(self, name: str) -> str | None:
+        if name in ("warp_keys", "warp_queries") and getattr(self, name) == MMA_M:
+            return None  # the one-tile warps every kernel had before these fields
+        return super()._suffix(name)
 
 
 @dataclass(frozen=True)
 class Fa2BwdGeometry(TileGeometry):
     kv_in_registers: bool = False
+    warp_keys: int = MMA_M
+    warp_queries: int = MMA_M
 
     @property
     def key_groups(self) -> int:
-        return self.block_n // WARP_KEYS
+        return self.block_n // self.warp_keys
 
     @property
     def col_splits(self) -> int:
@@ -72,7 +85,7 @@ class Fa2BwdGeometry(TileGeometry):
 
     @property
     def query_groups(self) -> int:
-        return self.block_m // WARP_KEYS
+        return self.block_m // self.warp_queries
 
     @property
     def dq_splits(self) -> int:
@@ -101,10 +114,10 @@ class Fa2BwdGeometry(TileGeometry):
 
     @property
     def estimated_registers(self) -> int:
-        """dK and dV (16 keys x kv_cols each) and S^T, dP^T (16 keys x s_cols each), per thread,
-        and with kv_in_registers this warp's K and V rows (16 x head_dim each)."""
-        kv = 2 * WARP_KEYS * self.head_dim // 64 if self.kv_in_registers else 0  # 16-bit pairs
-        return 2 * WARP_KEYS * (self.kv_cols + self.s_cols) // 32 + kv + REGISTER_OVERHEAD
+        """dK and dV (warp_keys x kv_cols each) and S^T, dP^T (warp_keys x s_cols each), per
+        thread, and with kv_in_registers this warp's K and V rows (warp_keys x head_dim each)."""
+        kv = 2 * self.warp_keys * self.head_dim // 64 if self.kv_in_registers else 0  # 16-bit pairs
+        return 2 * self.warp_keys * (self.kv_cols + self.s_cols) // 32 + kv + REGISTER_OVERHEAD
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
@@ -112,19 +125,22 @@ class Fa2BwdGeometry(TileGeometry):
             out.append(f"head_dim={self.head_dim}: the FA2 backward needs a multiple of {MMA_K}")
         if self.warps not in WARP_CHOICES:
             out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
-        if self.block_n % WARP_KEYS or self.block_m % WARP_KEYS:
-            out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}): both must be "
-                       f"multiples of {WARP_KEYS}")
+        if self.warp_keys % MMA_M or self.warp_queries % MMA_M:
+            out.append(f"tile (warp_keys={self.warp_keys}, warp_queries={self.warp_queries}): "
+                       f"both must be multiples of {MMA_M}")
+        elif self.block_n % self.warp_keys or self.block_m % self.warp_queries:
+            out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}): must be multiples "
+                       f"of warp_queries={self.warp_queries} and warp_keys={self.warp_keys}")
         if self.stages not in STAGE_CHOICES:
             out.append(f"tile.stages={self.stages}: must be one of {STAGE_CHOICES}")
         if out:
             return out
         if self.key_groups > self.warps or self.warps % self.key_groups:
-            out.append(f"tile.block_n={self.block_n}: {self.key_groups} groups of {WARP_KEYS} keys "
+            out.append(f"tile.block_n={self.block_n}: {self.key_groups} groups of {self.warp_keys} keys "
                        f"must divide tile.warps={self.warps}")
         elif self.query_groups > self.warps or self.warps % self.query_groups:
             out.append(f"tile.block_m={self.block_m}: {self.query_groups} groups of "
-                       f"{WARP_KEYS} queries must divide tile.warps={self.warps}")
+                       f"{self.warp_queries} queries must divide tile.warps={self.warps}")
         else:
             for name, cols in (("S^T columns", self.s_cols), ("dK/dV columns", self.kv_cols),
                                ("dQ columns", self.dq_cols)):
@@ -157,7 +173,7 @@ class Fa2BackwardSpec(KernelSpec):
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa2BwdTile) -> Fa2BwdGeometry:
         return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                              tile.kv_in_registers)
+                              tile.kv_in_registers, tile.warp_keys, tile.warp_queries)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
@@ -168,6 +184,8 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kThreads", g.threads),
             Constexpr("kStages", g.stages),
             Constexpr("kKVInRegisters", g.kv_in_registers),
+            Constexpr("kWarpKeys", g.warp_keys),
+            Constexpr("kWarpQueries", g.warp_queries),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),
             Constexpr("kPRowPitchBytes", g.p_row_pitch_bytes),
             Constexpr("kProbsInRegisters", g.probs_in_registers),

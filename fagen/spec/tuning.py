@@ -77,29 +77,48 @@ TABLE: tuple[TuningRow, ...] = (
               "sm80 (163 KB) takes this row too (not measured on an A100)"),
     TuningRow(Fa2Tile(block_m=64, block_n=32, warps=4, stages=2), 256,
               "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
-    # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers (16 keys per
-    # warp, the warps of a key group splitting head_dim) and walks the query blocks. Register
-    # and shared-memory counts are the geometry's (fagen/spec/fa2_bwd.py) and ptxas's (sm90,
-    # bf16); speeds from the H200 sweep of run 98 (bench.tile_sweep, bf16, 4k; 2026-12-01),
-    # against SDPA-FA2's backward in the same run. ----
-    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, kv_in_registers=True), 64,
-              "8 key groups of 16, each warp's K and V rows read once into registers: 218 / 208 "
-              "TFLOP/s full / causal (0.78 / 0.85x SDPA-FA2) against 208 / 199 without; 234 regs, "
-              "91 KB smem"),
+    # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers and walks
+    # the query blocks. Shared memory's bandwidth runs out first (Nsight Compute, run B: L1 75 %
+    # busy, the warps' main stall the ldmatrix results), so the warps hold 32 keys (S^T, dK,
+    # dV) and 32 query rows (dQ) where the registers allow: each operand fragment read from
+    # shared memory feeds two MMAs' worth of rows, 20 % fewer bytes per step than one-tile
+    # warps, at the price of P^T through shared memory. Register and shared-memory counts are
+    # the geometry's (fagen/spec/fa2_bwd.py) and ptxas's (sm90, bf16); speeds from the H200
+    # sweep of run C (bench.tile_sweep, bf16, 4k / 8k; 2026-12-01) against SDPA-FA2's backward
+    # in the same run. sm80 rows are the sm90 tiles with one Q / dO stage (163 KB), not
+    # measured on an A100. ----
+    TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 64,
+              "128 x 128, warps of 32 keys x 64 queries (S^T) and 32 x 32 (dK, dV, dQ): 247 / 223 "
+              "TFLOP/s full / causal at 4k (0.88 / 0.90x SDPA-FA2) against 219 / 210 for 64 x 128 "
+              "with one-tile warps and K, V in registers; 253-255 regs, 178 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 64,
+              "sm80's 163 KB: one Q / dO stage, 141 KB"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=4, stages=1), 64,
               "fallback for 99 KB parts: 55 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 128,
+              "64 x 128, warps of 32 keys x 32 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x "
+              "32 (dQ): 266 / 243 TFLOP/s full / causal at 4k (0.88 / 0.89x SDPA-FA2) against 239 "
+              "/ 216 for one-tile warps (P^T in registers) and 243 / 219 with 32-row dQ warps "
+              "alone; 246-255 regs, 173 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 128,
+              "sm80's 163 KB: one Q / dO stage, 139 KB"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2), 128,
-              "64 queries per step, 128 keys per CTA (half the dQ reductions of block_n 64): 237 "
-              "/ 216 TFLOP/s full / causal (0.78 / 0.80x SDPA-FA2) against 216 / 193 for 32 "
-              "queries (run 68: 32 x 128 beat 64 x 64 by 11-15 %); 254-255 regs, no spills (one "
-              "Q / dO stage spills); 155 KB smem"),
+              "head_dim 96 (32-row dQ warps would hold 24 columns): one-tile warps, P^T in "
+              "registers; 155 KB smem"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 128,
               "fallback for 99 KB parts: one Q / dO buffer, 87 KB"),
-    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2), 256,
-              "two warps per key group split head_dim: dK + dV 128, S^T + dP^T 32 regs: 150 / 160 "
-              "TFLOP/s causal / full against 123 for 32 x 64; 217 KB smem (sm90)"),
-    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 256,
-              "sm80's 163 KB: one Q / dO buffer, 150 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 256,
+              "warps of 32 keys x 16 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x 64 (dQ): "
+              "199 / 187 TFLOP/s full / causal at 4k (0.79 / 0.81x SDPA-FA2) against 190 / 176 "
+              "for one-tile warps; 253-255 regs, 217 KB smem (sm90)"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 256,
+              "sm80's 163 KB: one Q / dO stage, 150 KB"),
     TuningRow(Fa2BwdTile(block_m=32, block_n=32, warps=4, stages=1), 256,
               "fallback for 99 KB parts: 71 KB"),
     # ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer

@@ -19,9 +19,11 @@
 //               order behind a counter per query block (deterministic mode).
 //   dq          dQ = softmax_scale * accumulator, in the element type (algo/backward_rows.cuh).
 //
-// Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of 16 keys times
-// kColSplits column parts (of the queries for S^T, of head_dim for dK / dV), and dQ by
-// kQueryGroups groups of 16 queries times kDqSplits parts of head_dim.
+// Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of kWarpKeys keys
+// (kKeyTiles m16 tiles) times kColSplits column parts (of the queries for S^T, of head_dim for
+// dK / dV), and dQ by kQueryGroups groups of kWarpQueries queries (kDqRowTiles m16 tiles) times
+// kDqSplits parts of head_dim. More rows per warp read each operand fragment for more MMAs:
+// shared memory's bandwidth is what this kernel runs out of first (run B).
 //
 // Shared memory: K_j, V_j (block_n rows each), then kStages stages of Q_i, dO_i (block_m rows
 // each), LSE_i and D_i (block_m floats each), then dS^T and, unless kProbsInRegisters, P^T
@@ -58,12 +60,16 @@ struct Backward {
     static constexpr int kBlockN = Config::kBlockN;
     static constexpr int kPitch = Config::kRowPitchBytes;    // Q, K, V, dO rows
     static constexpr int kPPitch = Config::kPRowPitchBytes;  // P^T, dS^T rows
-    static constexpr int kKeyGroups = kBlockN / 16;
+    static constexpr int kWarpKeys = Config::kWarpKeys;
+    static constexpr int kKeyTiles = kWarpKeys / 16;            // m16 tiles of keys per warp
+    static constexpr int kKeyGroups = kBlockN / kWarpKeys;
     static constexpr int kColSplits = Config::kWarps / kKeyGroups;
     static constexpr int kSTiles = kBlockM / kColSplits / 8;     // n8 tiles of S^T per warp
     static constexpr int kKVCols = kHeadDim / kColSplits;        // dK / dV columns per warp
     static constexpr int kKVTiles = kKVCols / 8;
-    static constexpr int kQueryGroups = kBlockM / 16;
+    static constexpr int kWarpQueries = Config::kWarpQueries;
+    static constexpr int kDqRowTiles = kWarpQueries / 16;        // m16 tiles of dQ rows per warp
+    static constexpr int kQueryGroups = kBlockM / kWarpQueries;
     static constexpr int kDqSplits = Config::kWarps / kQueryGroups;
     static constexpr int kDqCols = kHeadDim / kDqSplits;
     // dQ is computed in chunks of at most 64 columns (see the main loop): the widest multiple of
@@ -79,6 +85,7 @@ struct Backward {
     static constexpr int kMSteps = kBlockM / 16;   // over the queries of a block
     static constexpr int kNSteps = kBlockN / 16;   // over the keys of a block
 
+    static_assert(kWarpKeys % 16 == 0 && kWarpQueries % 16 == 0);
     static_assert(kKeyGroups * kColSplits == Config::kWarps, "warps = key groups x column parts");
     static_assert(kQueryGroups * kDqSplits == Config::kWarps, "warps = query groups x dQ parts");
     static_assert(kSTiles % 2 == 0 && kKVTiles % 2 == 0 && kDqChunkTiles % 2 == 0 &&
@@ -114,41 +121,47 @@ struct Backward {
     };
 
     // ---------------------------------------------------------------- warp products
-    // acc (16 x 8*kN) += A (16 x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,
+    // acc (16*kM x 8*kN) = A (16*kM x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,
     // row-major at `b`): the per-lane ldmatrix addresses are folded into `a` and `b`.
-    template <int kN>
-    static __device__ __forceinline__ void warp_product_nt(float (&acc)[1][kN][4], uint32_t a,
+    template <int kM, int kN>
+    static __device__ __forceinline__ void warp_product_nt(float (&acc)[kM][kN][4], uint32_t a,
                                                            uint32_t b) {
         algo::clear_fragment(acc);
 #pragma unroll
         for (int kk = 0; kk < kDSteps; ++kk) {
-            uint32_t frag_a[4];
-            ptx::ldmatrix_x4(frag_a, a + kk * 32);
+            uint32_t frag_a[kM][4];
+#pragma unroll
+            for (int m = 0; m < kM; ++m) ptx::ldmatrix_x4(frag_a[m], a + m * 16 * kPitch + kk * 32);
 #pragma unroll
             for (int np = 0; np < kN / 2; ++np) {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
                 const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-                Ops::mma(acc[0][2 * np], frag_a, lo);
-                Ops::mma(acc[0][2 * np + 1], frag_a, hi);
+#pragma unroll
+                for (int m = 0; m < kM; ++m) {
+                    Ops::mma(acc[m][2 * np], frag_a[m], lo);
+                    Ops::mma(acc[m][2 * np + 1], frag_a[m], hi);
+                }
             }
         }
     }
 
-    // A warp's 16 rows of K or V as mma A fragments, one per k16 step of head_dim (kept in
-    // registers with kKVInRegisters; empty otherwise).
+    // A warp's rows of K or V as mma A fragments, one per m16 tile and k16 step of head_dim
+    // (kept in registers with kKVInRegisters; empty otherwise).
     struct KeyFragments {
-        uint32_t frag[Config::kKVInRegisters ? kDSteps : 1][4];
+        uint32_t frag[Config::kKVInRegisters ? kKeyTiles : 1][Config::kKVInRegisters ? kDSteps : 1][4];
 
         __device__ __forceinline__ void load(uint32_t a) {
 #pragma unroll
-            for (int kk = 0; kk < kDSteps; ++kk) ptx::ldmatrix_x4(frag[kk], a + kk * 32);
+            for (int m = 0; m < kKeyTiles; ++m)
+#pragma unroll
+                for (int kk = 0; kk < kDSteps; ++kk) ptx::ldmatrix_x4(frag[m][kk], a + m * 16 * kPitch + kk * 32);
         }
     };
 
     // warp_product_nt with A from registers.
     template <int kN>
-    static __device__ __forceinline__ void warp_product_nt(float (&acc)[1][kN][4],
+    static __device__ __forceinline__ void warp_product_nt(float (&acc)[kKeyTiles][kN][4],
                                                            const KeyFragments& a, uint32_t b) {
         algo::clear_fragment(acc);
 #pragma unroll
@@ -158,28 +171,35 @@ struct Backward {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
                 const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-                Ops::mma(acc[0][2 * np], a.frag[kk], lo);
-                Ops::mma(acc[0][2 * np + 1], a.frag[kk], hi);
+#pragma unroll
+                for (int m = 0; m < kKeyTiles; ++m) {
+                    Ops::mma(acc[m][2 * np], a.frag[m][kk], lo);
+                    Ops::mma(acc[m][2 * np + 1], a.frag[m][kk], hi);
+                }
             }
         }
     }
 
-    // acc (16 x 8*kN) += A (16 x 16*kK, row-major at `a`, P^T / dS^T pitch) * B (16*kK x
-    // 8*kN, row-major at `b` with `b_pitch`, read transposed).
-    template <int kK, int kN>
-    static __device__ __forceinline__ void warp_product_nn(float (&acc)[1][kN][4], uint32_t a,
-                                                           uint32_t b, int b_pitch) {
+    // acc (16*kM x 8*kN) += A (16*kM x block_m, row-major at `a`, the P^T / dS^T pitch) *
+    // B (block_m x 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
+    template <int kM, int kN>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a,
+                                                           uint32_t b) {
 #pragma unroll
-        for (int kk = 0; kk < kK; ++kk) {
-            uint32_t frag_a[4];
-            ptx::ldmatrix_x4(frag_a, a + kk * 32);
+        for (int kk = 0; kk < kMSteps; ++kk) {
+            uint32_t frag_a[kM][4];
+#pragma unroll
+            for (int m = 0; m < kM; ++m) ptx::ldmatrix_x4(frag_a[m], a + m * 16 * kPPitch + kk * 32);
 #pragma unroll
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
-                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * b_pitch + dp * 32);
+                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
                 const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-                Ops::mma(acc[0][2 * dp], frag_a, lo);
-                Ops::mma(acc[0][2 * dp + 1], frag_a, hi);
+#pragma unroll
+                for (int m = 0; m < kM; ++m) {
+                    Ops::mma(acc[m][2 * dp], frag_a[m], lo);
+                    Ops::mma(acc[m][2 * dp + 1], frag_a[m], hi);
+                }
             }
         }
     }
@@ -187,36 +207,43 @@ struct Backward {
     // warp_product_nn with A from an accumulator over the step's queries (P^T or dS^T in the
     // layout of algo/fragment.cuh, rounded to the element type per k16 step), B (block_m x
     // 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
-    template <int kN>
-    static __device__ __forceinline__ void warp_product_nn(float (&acc)[1][kN][4],
-                                                           const float (&a)[kSTiles][4], uint32_t b) {
+    template <int kM, int kN>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4],
+                                                           const float (&a)[kM][kSTiles][4], uint32_t b) {
 #pragma unroll
         for (int kk = 0; kk < kMSteps; ++kk) {
-            uint32_t frag_a[4];
-            pack_a_fragment<Element>(frag_a, a, kk);
+            uint32_t frag_a[kM][4];
+#pragma unroll
+            for (int m = 0; m < kM; ++m) pack_a_fragment<Element>(frag_a[m], a[m], kk);
 #pragma unroll
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
                 const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-                Ops::mma(acc[0][2 * dp], frag_a, lo);
-                Ops::mma(acc[0][2 * dp + 1], frag_a, hi);
+#pragma unroll
+                for (int m = 0; m < kM; ++m) {
+                    Ops::mma(acc[m][2 * dp], frag_a[m], lo);
+                    Ops::mma(acc[m][2 * dp + 1], frag_a[m], hi);
+                }
             }
         }
     }
 
-    // A warp's 16 x (8*kSTiles) part of P^T or dS^T into its tile in shared memory, as the
-    // element type.
-    static __device__ __forceinline__ void store_probs(uint32_t tile, const float (&acc)[1][kSTiles][4],
+    // A warp's kWarpKeys x (8*kSTiles) part of P^T or dS^T into its tile in shared memory, as
+    // the element type.
+    static __device__ __forceinline__ void store_probs(uint32_t tile, const float (&acc)[kKeyTiles][kSTiles][4],
                                                        int warp_key, int warp_query, int lane) {
 #pragma unroll
-        for (int n = 0; n < kSTiles; ++n) {
+        for (int m = 0; m < kKeyTiles; ++m) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
-                *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
-                    Ops::pack(acc[0][n][2 * h], acc[0][n][2 * h + 1]);
+            for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, 2 * h);
+                    const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
+                    *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
+                        Ops::pack(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+                }
             }
         }
     }
@@ -306,8 +333,8 @@ struct Backward {
             }
         };
 
-        float acc_dk[1][kKVTiles][4];
-        float acc_dv[1][kKVTiles][4];
+        float acc_dk[kKeyTiles][kKVTiles][4];
+        float acc_dv[kKeyTiles][kKVTiles][4];
         algo::clear_fragment(acc_dk);
         algo::clear_fragment(acc_dv);
 
@@ -326,9 +353,9 @@ struct Backward {
         const uint32_t pa_lane = (lane % 16) * kPPitch + (lane / 16) * 16;
         const uint32_t pat_lane = (lane % 8 + 8 * (lane / 16)) * kPPitch + ((lane / 8) % 2) * 16;
 
-        const int warp_key = key_group * 16;            // first key of this warp (within the block)
+        const int warp_key = key_group * kWarpKeys;     // first key of this warp (within the block)
         const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
-        // kKVInRegisters: the A operands of S^T and dP^T (this warp's 16 rows of K and V) are the
+        // kKVInRegisters: the A operands of S^T and dP^T (this warp's rows of K and V) are the
         // same in every step, so they are read from shared memory once (a third of the ldmatrix
         // traffic of those two products).
         KeyFragments k_frags, v_frags;
@@ -348,16 +375,16 @@ struct Backward {
             // S^T, then P^T = exp2(S^T scale_log2 - LSE) with the mask (keys past seqlen_k,
             // queries past seqlen_q, causal) applied only on the steps that need it, as a branch
             // of its own (algo::zero_masked_probs says why), then dP^T and dS^T = P^T (dP^T - D):
-            // for this warp's 16 keys and its part of the queries. Masking P^T before dP^T exists
+            // for this warp's keys and its part of the queries. Masking P^T before dP^T exists
             // zeroes dS^T with it and keeps the mask's predicates clear of the dP^T accumulator
             // (with both live, the causal 64-query tile at head_dim 128 spilled).
             const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
             const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
             const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
             const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
-                                    mask.block_needs_mask(first_key / 16, first_query, 16);
-            float acc_s[1][kSTiles][4];
-            float acc_dp[1][kSTiles][4];
+                                    mask.block_needs_mask(first_key / kWarpKeys, first_query, kWarpKeys);
+            float acc_s[kKeyTiles][kSTiles][4];
+            float acc_dp[kKeyTiles][kSTiles][4];
             if constexpr (Config::kKVInRegisters) {
                 if (t == 0) {
                     k_frags.load(s.k() + a_lane + warp_key * kPitch);
@@ -369,23 +396,25 @@ struct Backward {
                                 s.q(stage) + b_lane + warp_query * kPitch);
             }
 #pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
+            for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int query = warp_query + algo::fragment_coord(lane, 0, n, i).col;
-                    acc_s[0][n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[0][n][i], p.scale_log2, -lse[query]));
-                }
-            }
-            if (needs_mask) {
-#pragma unroll
-                for (int n = 0; n < kSTiles; ++n) {
+                for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
-                        const int key_abs = first_key + f.row, query_abs = first_query + f.col;
-                        if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[0][n][i] = 0.f;
+                        const int query = warp_query + algo::fragment_coord(lane, m, n, i).col;
+                        acc_s[m][n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[m][n][i], p.scale_log2, -lse[query]));
                     }
-                }
+            if (needs_mask) {
+#pragma unroll
+                for (int m = 0; m < kKeyTiles; ++m)
+#pragma unroll
+                    for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, i);
+                            const int key_abs = first_key + f.row, query_abs = first_query + f.col;
+                            if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[m][n][i] = 0.f;
+                        }
             }
             if constexpr (Config::kKVInRegisters) {
                 warp_product_nt(acc_dp, v_frags, s.dout(stage) + b_lane + warp_query * kPitch);
@@ -394,61 +423,69 @@ struct Backward {
                                 s.dout(stage) + b_lane + warp_query * kPitch);
             }
 #pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
+            for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int query = warp_query + algo::fragment_coord(lane, 0, n, i).col;
-                    acc_dp[0][n][i] = acc_s[0][n][i] * (acc_dp[0][n][i] - dsum[query]);
-                }
-            }
+                for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int query = warp_query + algo::fragment_coord(lane, m, n, i).col;
+                        acc_dp[m][n][i] = acc_s[m][n][i] * (acc_dp[m][n][i] - dsum[query]);
+                    }
             store_probs(s.ds(), acc_dp, warp_key, warp_query, lane);
 
-            // dV += P^T dO and dK += dS^T Q: this warp's 16 keys, its part of head_dim. With
+            // dV += P^T dO and dK += dS^T Q: this warp's keys, its part of head_dim. With
             // every query of the step in this warp, P^T and dS^T are A operands straight from
             // the accumulators (the C fragments of two n8 tiles are the A fragment of a k16
             // step), and the products run while the other warps finish their dS^T.
             const uint32_t kv_col_bytes = col_split * kKVCols * 2;
             if constexpr (kProbsInRegisters) {
-                warp_product_nn(acc_dv, acc_s[0], s.dout(stage) + bt_lane + kv_col_bytes);
-                warp_product_nn(acc_dk, acc_dp[0], s.q(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn(acc_dv, acc_s, s.dout(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn(acc_dk, acc_dp, s.q(stage) + bt_lane + kv_col_bytes);
                 __syncthreads();  // dS^T of the whole block is in shared memory
             } else {
                 store_probs(s.p(), acc_s, warp_key, warp_query, lane);
                 __syncthreads();  // P^T and dS^T of the whole block are in shared memory
-                warp_product_nn<kMSteps>(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
-                                         s.dout(stage) + bt_lane + kv_col_bytes, kPitch);
-                warp_product_nn<kMSteps>(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
-                                         s.q(stage) + bt_lane + kv_col_bytes, kPitch);
+                warp_product_nn(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
+                                s.dout(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
+                                s.q(stage) + bt_lane + kv_col_bytes);
             }
 
-            // dQ (16 queries x kDqCols) += dS K, added to the accumulator in global memory in
-            // chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV spills at
-            // head_dim 256).
+            // dQ (kWarpQueries queries x kDqCols) += dS K, added to the accumulator in global
+            // memory in chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV
+            // spills at head_dim 256).
             DqTurn turn(p, mask, batch, head, m_block, n_block);
 #pragma unroll
             for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
                 const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
-                float acc_dq[1][kDqChunkTiles][4];
+                float acc_dq[kDqRowTiles][kDqChunkTiles][4];
                 algo::clear_fragment(acc_dq);
 #pragma unroll
                 for (int kk = 0; kk < kNSteps; ++kk) {
-                    uint32_t a_ds[4];
-                    ptx::ldmatrix_x4_trans(a_ds, s.ds() + pat_lane + kk * 16 * kPPitch + query_group * 32);
+                    uint32_t a_ds[kDqRowTiles][4];
+#pragma unroll
+                    for (int m = 0; m < kDqRowTiles; ++m) {
+                        ptx::ldmatrix_x4_trans(a_ds[m], s.ds() + pat_lane + kk * 16 * kPPitch +
+                                                            (query_group * kWarpQueries + 16 * m) * 2);
+                    }
 #pragma unroll
                     for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
                         uint32_t b_k[4];
                         ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
                         const uint32_t k_lo[2] = {b_k[0], b_k[1]}, k_hi[2] = {b_k[2], b_k[3]};
-                        Ops::mma(acc_dq[0][2 * dp], a_ds, k_lo);
-                        Ops::mma(acc_dq[0][2 * dp + 1], a_ds, k_hi);
+#pragma unroll
+                        for (int m = 0; m < kDqRowTiles; ++m) {
+                            Ops::mma(acc_dq[m][2 * dp], a_ds[m], k_lo);
+                            Ops::mma(acc_dq[m][2 * dp + 1], a_ds[m], k_hi);
+                        }
                     }
                 }
                 if (turn.ordered()) {
                     add_dq<true>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
-                                 query_group * 16, dq_col, lane);
+                                 query_group * kWarpQueries, dq_col, lane);
                 } else {
                     add_dq<false>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
-                                  query_group * 16, dq_col, lane);
+                                  query_group * kWarpQueries, dq_col, lane);
                 }
             }
             turn.pass();
@@ -503,30 +540,33 @@ struct Backward {
         }
     };
 
-    // A warp's 16 x 8*kTiles part of dQ_i, at columns col0.., into the accumulator: one
+    // A warp's (16*kM) x 8*kTiles part of dQ_i, at columns col0.., into the accumulator: one
     // address per thread, the tiles at constant offsets from it, rows past seqlen_q left out.
-    template <bool kOrdered, int kTiles>
+    template <bool kOrdered, int kM, int kTiles>
     static __device__ __forceinline__ void add_dq(const FagenBwdParams& p,
-                                                  const float (&acc)[1][kTiles][4], long long row0,
+                                                  const float (&acc)[kM][kTiles][4], long long row0,
                                                   int rows_valid, int warp_row, int col0, int lane) {
         const algo::FragmentCoord first = algo::fragment_coord(lane, 0, 0, 0);
         float* const origin = p.dq_accum + (row0 + warp_row + first.row) * kHeadDim + col0 + first.col;
         const int row = warp_row + first.row;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (row + 8 * h >= rows_valid) continue;
+        for (int m = 0; m < kM; ++m) {
 #pragma unroll
-            for (int n = 0; n < kTiles; ++n) {
-                float* at = origin + 8 * h * kHeadDim + 8 * n;
-                if constexpr (kOrdered) {
-                    const float2 old = __ldcg(reinterpret_cast<const float2*>(at));
-                    __stcg(reinterpret_cast<float2*>(at),
-                           make_float2(old.x + acc[0][n][2 * h], old.y + acc[0][n][2 * h + 1]));
-                } else if constexpr (Config::kPairedReductions) {
-                    ptx::red_global_add_v2_f32(at, acc[0][n][2 * h], acc[0][n][2 * h + 1]);
-                } else {
-                    atomicAdd(at, acc[0][n][2 * h]);
-                    atomicAdd(at + 1, acc[0][n][2 * h + 1]);
+            for (int h = 0; h < 2; ++h) {
+                if (row + 16 * m + 8 * h >= rows_valid) continue;
+#pragma unroll
+                for (int n = 0; n < kTiles; ++n) {
+                    float* at = origin + (16 * m + 8 * h) * kHeadDim + 8 * n;
+                    const float lo = acc[m][n][2 * h], hi = acc[m][n][2 * h + 1];
+                    if constexpr (kOrdered) {
+                        const float2 old = __ldcg(reinterpret_cast<const float2*>(at));
+                        __stcg(reinterpret_cast<float2*>(at), make_float2(old.x + lo, old.y + hi));
+                    } else if constexpr (Config::kPairedReductions) {
+                        ptx::red_global_add_v2_f32(at, lo, hi);
+                    } else {
+                        atomicAdd(at, lo);
+                        atomicAdd(at + 1, hi);
+                    }
                 }
             }
         }
@@ -535,20 +575,23 @@ struct Backward {
     // A warp's dK or dV rows from the accumulator layout (kKVTiles n8 tiles of columns from
     // col0): scale * acc as the element type, rows first_key... past seqlen_k left out.
     static __device__ __forceinline__ void store_kv(const FagenBwdParams& p,
-                                                    const float (&acc)[1][kKVTiles][4], void* out,
+                                                    const float (&acc)[kKeyTiles][kKVTiles][4], void* out,
                                                     long long batch_stride, long long row_stride,
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {
         Element* const origin = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
 #pragma unroll
-        for (int n = 0; n < kKVTiles; ++n) {
+        for (int m = 0; m < kKeyTiles; ++m) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, 2 * h);
-                const int key = first_key + f.row;
-                if (key < p.seqlen_k) {
-                    *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) =
-                        Ops::pack(acc[0][n][2 * h] * scale, acc[0][n][2 * h + 1] * scale);
+            for (int n = 0; n < kKVTiles; ++n) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, 2 * h);
+                    const int key = first_key + f.row;
+                    if (key < p.seqlen_k) {
+                        *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) =
+                            Ops::pack(acc[m][n][2 * h] * scale, acc[m][n][2 * h + 1] * scale);
+                    }
                 }
             }
         }
