@@ -23,7 +23,7 @@
 // (kKeyTiles m16 tiles) times kColSplits column parts (of the queries for S^T, of head_dim for
 // dK / dV), and dQ by kQueryGroups groups of kWarpQueries queries (kDqRowTiles m16 tiles) times
 // kDqSplits parts of head_dim. More rows per warp read each operand fragment for more MMAs:
-// shared memory's bandwidth is what this kernel runs out of first (run B).
+// shared memory's bandwidth is what this kernel runs out of first (run 99).
 //
 // Shared memory: K_j, V_j (block_n rows each), then kStages stages of Q_i, dO_i (block_m rows
 // each), LSE_i and D_i (block_m floats each), then dS^T and, unless kProbsInRegisters, P^T
