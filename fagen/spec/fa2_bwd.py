@@ -34,9 +34,6 @@ class Fa2BwdTile(TileBase):
     block_n: int = Field(gt=0, description="keys per CTA (dK, dV rows in registers)")
     warps: int = Field(gt=0, description="warps per CTA")
     stages: int = Field(gt=0, description="Q / dO buffers: 2 loads the next query block ahead")
-    kv_in_registers: bool = Field(
-        False, description="each warp keeps its rows of K and V as mma fragments in registers "
-        "for the whole walk instead of reading them from shared memory every step")
     warp_keys: int = Field(
         MMA_M, gt=0, description="keys per warp in S^T, dP^T, dK and dV (a multiple of 16): "
         "more rows per warp read each shared-memory operand for more MMAs")
@@ -44,7 +41,7 @@ class Fa2BwdTile(TileBase):
         MMA_M, gt=0, description="query rows per warp in dQ (a multiple of 16)")
 
     SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("kv_in_registers", "kr"), ("warp_keys", "wk"), ("warp_queries", "wq"))
+        ("warp_keys", "wk"), ("warp_queries", "wq"))
 
     def _suffix(self, name: str) -> str | None:
         if name in ("warp_keys", "warp_queries") and getattr(self, name) == MMA_M:
@@ -54,7 +51,6 @@ class Fa2BwdTile(TileBase):
 
 @dataclass(frozen=True)
 class Fa2BwdGeometry(TileGeometry):
-    kv_in_registers: bool = False
     warp_keys: int = MMA_M
     warp_queries: int = MMA_M
 
@@ -115,9 +111,8 @@ class Fa2BwdGeometry(TileGeometry):
     @property
     def estimated_registers(self) -> int:
         """dK and dV (warp_keys x kv_cols each) and S^T, dP^T (warp_keys x s_cols each), per
-        thread, and with kv_in_registers this warp's K and V rows (warp_keys x head_dim each)."""
-        kv = 2 * self.warp_keys * self.head_dim // 64 if self.kv_in_registers else 0  # 16-bit pairs
-        return 2 * self.warp_keys * (self.kv_cols + self.s_cols) // 32 + kv + REGISTER_OVERHEAD
+        thread."""
+        return 2 * self.warp_keys * (self.kv_cols + self.s_cols) // 32 + REGISTER_OVERHEAD
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
@@ -173,7 +168,7 @@ class Fa2BackwardSpec(KernelSpec):
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa2BwdTile) -> Fa2BwdGeometry:
         return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                              tile.kv_in_registers, tile.warp_keys, tile.warp_queries)
+                              tile.warp_keys, tile.warp_queries)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
@@ -183,7 +178,6 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kWarps", g.warps),
             Constexpr("kThreads", g.threads),
             Constexpr("kStages", g.stages),
-            Constexpr("kKVInRegisters", g.kv_in_registers),
             Constexpr("kWarpKeys", g.warp_keys),
             Constexpr("kWarpQueries", g.warp_queries),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),

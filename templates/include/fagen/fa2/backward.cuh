@@ -146,40 +146,6 @@ struct Backward {
         }
     }
 
-    // A warp's rows of K or V as mma A fragments, one per m16 tile and k16 step of head_dim
-    // (kept in registers with kKVInRegisters; empty otherwise).
-    struct KeyFragments {
-        uint32_t frag[Config::kKVInRegisters ? kKeyTiles : 1][Config::kKVInRegisters ? kDSteps : 1][4];
-
-        __device__ __forceinline__ void load(uint32_t a) {
-#pragma unroll
-            for (int m = 0; m < kKeyTiles; ++m)
-#pragma unroll
-                for (int kk = 0; kk < kDSteps; ++kk) ptx::ldmatrix_x4(frag[m][kk], a + m * 16 * kPitch + kk * 32);
-        }
-    };
-
-    // warp_product_nt with A from registers.
-    template <int kN>
-    static __device__ __forceinline__ void warp_product_nt(float (&acc)[kKeyTiles][kN][4],
-                                                           const KeyFragments& a, uint32_t b) {
-        algo::clear_fragment(acc);
-#pragma unroll
-        for (int kk = 0; kk < kDSteps; ++kk) {
-#pragma unroll
-            for (int np = 0; np < kN / 2; ++np) {
-                uint32_t frag_b[4];
-                ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
-                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-#pragma unroll
-                for (int m = 0; m < kKeyTiles; ++m) {
-                    Ops::mma(acc[m][2 * np], a.frag[m][kk], lo);
-                    Ops::mma(acc[m][2 * np + 1], a.frag[m][kk], hi);
-                }
-            }
-        }
-    }
-
     // acc (16*kM x 8*kN) += A (16*kM x block_m, row-major at `a`, the P^T / dS^T pitch) *
     // B (block_m x 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
     template <int kM, int kN>
@@ -355,10 +321,6 @@ struct Backward {
 
         const int warp_key = key_group * kWarpKeys;     // first key of this warp (within the block)
         const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
-        // kKVInRegisters: the A operands of S^T and dP^T (this warp's rows of K and V) are the
-        // same in every step, so they are read from shared memory once (a third of the ldmatrix
-        // traffic of those two products).
-        KeyFragments k_frags, v_frags;
 
         StepCursor current{kv_head * group, i_begin};
         for (int t = 0; t < steps; ++t, current.advance(i_begin, m_blocks)) {
@@ -385,16 +347,7 @@ struct Backward {
                                     mask.block_needs_mask(first_key / kWarpKeys, first_query, kWarpKeys);
             float acc_s[kKeyTiles][kSTiles][4];
             float acc_dp[kKeyTiles][kSTiles][4];
-            if constexpr (Config::kKVInRegisters) {
-                if (t == 0) {
-                    k_frags.load(s.k() + a_lane + warp_key * kPitch);
-                    v_frags.load(s.v() + a_lane + warp_key * kPitch);
-                }
-                warp_product_nt(acc_s, k_frags, s.q(stage) + b_lane + warp_query * kPitch);
-            } else {
-                warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch,
-                                s.q(stage) + b_lane + warp_query * kPitch);
-            }
+            warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch, s.q(stage) + b_lane + warp_query * kPitch);
 #pragma unroll
             for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
@@ -416,12 +369,8 @@ struct Backward {
                             if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[m][n][i] = 0.f;
                         }
             }
-            if constexpr (Config::kKVInRegisters) {
-                warp_product_nt(acc_dp, v_frags, s.dout(stage) + b_lane + warp_query * kPitch);
-            } else {
-                warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
-                                s.dout(stage) + b_lane + warp_query * kPitch);
-            }
+            warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
+                            s.dout(stage) + b_lane + warp_query * kPitch);
 #pragma unroll
             for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
