@@ -85,8 +85,8 @@ class TileBase(BaseModel):
         if name in self.STRUCTURE:
             return suffix
         value = getattr(self, name)
-        if value is None or value is False:
-            return None
+        if value == type(self).model_fields[name].default:
+            return None  # as in the canonical dump: an option at its default is not spelled
         return suffix if value is True else self._valued_suffix(name, value, suffix)
 
     def _valued_suffix(self, name: str, value: Any, suffix: str) -> str:

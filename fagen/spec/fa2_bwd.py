@@ -43,11 +43,6 @@ class Fa2BwdTile(TileBase):
     SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
         ("warp_keys", "wk"), ("warp_queries", "wq"))
 
-    def _suffix(self, name: str) -> str | None:
-        if name in ("warp_keys", "warp_queries") and getattr(self, name) == MMA_M:
-            return None  # the one-tile warps every kernel had before these fields
-        return super()._suffix(name)
-
 
 @dataclass(frozen=True)
 class Fa2BwdGeometry(TileGeometry):

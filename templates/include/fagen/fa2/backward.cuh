@@ -121,6 +121,19 @@ struct Backward {
     };
 
     // ---------------------------------------------------------------- warp products
+    // acc[m][2 np] and acc[m][2 np + 1] += A_m (16 x 16) * the two n8 halves of one ldmatrix.x4
+    // B fragment, for each of the warp's kM m16 tiles: the inner step of every product below.
+    template <int kM, int kN>
+    static __device__ __forceinline__ void mma_tile_pair(float (&acc)[kM][kN][4], const uint32_t (&a)[kM][4],
+                                                         const uint32_t (&b)[4], int np) {
+        const uint32_t lo[2] = {b[0], b[1]}, hi[2] = {b[2], b[3]};
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+            Ops::mma(acc[m][2 * np], a[m], lo);
+            Ops::mma(acc[m][2 * np + 1], a[m], hi);
+        }
+    }
+
     // acc (16*kM x 8*kN) = A (16*kM x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,
     // row-major at `b`): the per-lane ldmatrix addresses are folded into `a` and `b`.
     template <int kM, int kN>
@@ -136,12 +149,7 @@ struct Backward {
             for (int np = 0; np < kN / 2; ++np) {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
-                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-#pragma unroll
-                for (int m = 0; m < kM; ++m) {
-                    Ops::mma(acc[m][2 * np], frag_a[m], lo);
-                    Ops::mma(acc[m][2 * np + 1], frag_a[m], hi);
-                }
+                mma_tile_pair(acc, frag_a, frag_b, np);
             }
         }
     }
@@ -160,12 +168,7 @@ struct Backward {
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
-                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-#pragma unroll
-                for (int m = 0; m < kM; ++m) {
-                    Ops::mma(acc[m][2 * dp], frag_a[m], lo);
-                    Ops::mma(acc[m][2 * dp + 1], frag_a[m], hi);
-                }
+                mma_tile_pair(acc, frag_a, frag_b, dp);
             }
         }
     }
@@ -185,12 +188,7 @@ struct Backward {
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
-                const uint32_t lo[2] = {frag_b[0], frag_b[1]}, hi[2] = {frag_b[2], frag_b[3]};
-#pragma unroll
-                for (int m = 0; m < kM; ++m) {
-                    Ops::mma(acc[m][2 * dp], frag_a[m], lo);
-                    Ops::mma(acc[m][2 * dp + 1], frag_a[m], hi);
-                }
+                mma_tile_pair(acc, frag_a, frag_b, dp);
             }
         }
     }
@@ -421,12 +419,7 @@ struct Backward {
                     for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
                         uint32_t b_k[4];
                         ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
-                        const uint32_t k_lo[2] = {b_k[0], b_k[1]}, k_hi[2] = {b_k[2], b_k[3]};
-#pragma unroll
-                        for (int m = 0; m < kDqRowTiles; ++m) {
-                            Ops::mma(acc_dq[m][2 * dp], a_ds[m], k_lo);
-                            Ops::mma(acc_dq[m][2 * dp + 1], a_ds[m], k_hi);
-                        }
+                        mma_tile_pair(acc_dq, a_ds, b_k, dp);
                     }
                 }
                 if (turn.ordered()) {
