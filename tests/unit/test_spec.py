@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pydantic
 import pytest
 import yaml
@@ -13,17 +15,12 @@ from fagen.spec.arch import MAX_REGISTERS_PER_THREAD
 from fagen.spec.fa2 import Fa2Tile
 from fagen.spec.fa3 import Fa3Tile
 from fagen.spec.tuning import TABLE
+from spec_fields import refusal_of, spec_from
 
 
-def spec(**overrides) -> KernelSpec:
-    fields = {"fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 128, **overrides}
-    return KernelSpec.model_validate(fields)
-
-
-def error_text(**overrides) -> str:
-    with pytest.raises(pydantic.ValidationError) as info:
-        spec(**overrides)
-    return str(info.value)
+BASE = {"fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 128}
+spec = partial(spec_from, BASE)
+error_text = partial(refusal_of, BASE)
 
 
 EXPLICIT_TILE = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}

@@ -4,25 +4,21 @@ Python."""
 
 from __future__ import annotations
 
-import pydantic
+from functools import partial
+
 import pytest
 
-from fagen.spec import ARCHS, KernelSpec
+from fagen.spec import ARCHS
 from fagen.spec.fa2_bwd import Fa2BackwardSpec
+from spec_fields import refusal_of, spec_from
 
 WIDE = {"block_m": 64, "block_n": 128, "warps": 8, "stages": 2, "warp_keys": 32, "warp_queries": 32}
 
 
-def spec(**overrides) -> KernelSpec:
-    fields = {"fa_version": 2, "direction": "bwd", "arch": "sm90", "dtype": "bf16", "head_dim": 128,
-              "causal": False, **overrides}
-    return KernelSpec.model_validate(fields)
-
-
-def error_text(**overrides) -> str:
-    with pytest.raises(pydantic.ValidationError) as info:
-        spec(**overrides)
-    return str(info.value)
+BASE = {"fa_version": 2, "direction": "bwd", "arch": "sm90", "dtype": "bf16", "head_dim": 128,
+        "causal": False}
+spec = partial(spec_from, BASE)
+error_text = partial(refusal_of, BASE)
 
 
 def test_one_tile_warps_keep_their_names_and_hold_p_in_registers():

@@ -3,25 +3,21 @@ geometry its template re-checks; pure Python."""
 
 from __future__ import annotations
 
-import pydantic
+from functools import partial
+
 import pytest
 
-from fagen.spec import ARCHS, KernelSpec
+from fagen.spec import ARCHS
 from fagen.spec.fa3_bwd import Fa3BackwardSpec
+from spec_fields import refusal_of, spec_from
 
 TILE = {"block_n": 128, "warps": 12, "stages": 2}
 
 
-def spec(**overrides) -> KernelSpec:
-    fields = {"fa_version": 3, "direction": "bwd", "arch": "sm90a", "dtype": "bf16", "head_dim": 128,
-              "causal": True, **overrides}
-    return KernelSpec.model_validate(fields)
-
-
-def error_text(**overrides) -> str:
-    with pytest.raises(pydantic.ValidationError) as info:
-        spec(**overrides)
-    return str(info.value)
+BASE = {"fa_version": 3, "direction": "bwd", "arch": "sm90a", "dtype": "bf16", "head_dim": 128,
+        "causal": True}
+spec = partial(spec_from, BASE)
+error_text = partial(refusal_of, BASE)
 
 
 def test_auto_tile_is_the_fa3_backward():

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pydantic
 import pytest
 
 from fagen.codegen import render
 from fagen.spec import KernelSpec
 from fagen.spec.fa4 import TMEM_COLUMNS, Fa4Geometry, tmem_allocation
+from spec_fields import refusal_of, spec_from
 
 TILE = {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2}
 
 
-def spec(**overrides) -> KernelSpec:
-    fields = {"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128, **overrides}
-    return KernelSpec.model_validate(fields)
-
-
-def error_text(**overrides) -> str:
-    with pytest.raises(pydantic.ValidationError) as info:
-        spec(**overrides)
-    return str(info.value)
+BASE = {"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128}
+spec = partial(spec_from, BASE)
+error_text = partial(refusal_of, BASE)
 
 
 def test_auto_tile_uses_the_fa4_options():
