@@ -41,6 +41,21 @@ struct DqOrder {
     }
 };
 
+// A key-block tile's walk over (query head, query block) pairs, heads outer, advanced one step
+// at a time: a division of the step index by the blocks per head cost the FA2 backward ~25
+// instructions twice a step, and the FA3 backward's flat count spilled at head_dim 128, causal.
+struct StepCursor {
+    int head, block;
+
+    // The next pair; query blocks [first_block, end_block) of each head.
+    __device__ __forceinline__ void advance(int first_block, int end_block) {
+        if (++block == end_block) {
+            block = first_block;
+            ++head;
+        }
+    }
+};
+
 // Zeroes the probabilities the mask hides in a warp's rows of a transposed score tile (rows are
 // keys from first_key, columns queries from first_query, the accumulator layout). The kernels call
 // it as a branch of its own on the steps that need it: folded into the exponentials' loop as a

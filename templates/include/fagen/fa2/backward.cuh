@@ -228,19 +228,6 @@ struct Backward {
         }
     }
 
-    // The CTA's walk over (query head, query block) pairs, heads outer: advanced one step at a
-    // time (a division of the step index by the blocks per head cost ~25 instructions twice a
-    // step).
-    struct StepCursor {
-        int head, block;
-        __device__ void advance(int first_block, int blocks) {
-            if (++block == blocks) {
-                block = first_block;
-                ++head;
-            }
-        }
-    };
-
     static __device__ void run(const FagenBwdParams& p, char* smem_raw) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
         const int n_block = key_block_of_cta(p), kv_head = blockIdx.y, batch = blockIdx.z;
@@ -267,7 +254,7 @@ struct Backward {
         };
         // The next step to load: its rows of Q and dO and its first row in LSE and D, moved
         // one query block on per step and recomputed only when the walk moves to the next head.
-        StepCursor loading{kv_head * group, i_begin};
+        algo::StepCursor loading{kv_head * group, i_begin};
         const Element *q_rows, *dout_rows;
         long long lse_row0;
         auto point_loads_at_head = [&] {
@@ -320,7 +307,7 @@ struct Backward {
         const int warp_key = key_group * kWarpKeys;     // first key of this warp (within the block)
         const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
 
-        StepCursor current{kv_head * group, i_begin};
+        algo::StepCursor current{kv_head * group, i_begin};
         for (int t = 0; t < steps; ++t, current.advance(i_begin, m_blocks)) {
             const int stage = Config::kStages == 2 ? t % 2 : 0;
             ptx::cp_async_wait_group<0>();

@@ -518,12 +518,12 @@ struct Backward {
         algo::clear_fragment(acc_dv);
 
         ptx::mbarrier_wait_parity(s.kv_full(), 0);
-        // The steps: query heads of the group outer, query blocks inner, counted without
-        // divisions (the flat count's bound spilled at head_dim 128, causal).
+        // The steps: query heads of the group outer, query blocks inner (algo::StepCursor).
         const int head_end = (w.kv_head + 1) * w.group, m_end = w.i_begin + w.i_count;
-        int head = w.kv_head * w.group, m_block = w.i_begin;
+        algo::StepCursor at{w.kv_head * w.group, w.i_begin};
 #pragma unroll 1
-        for (int t = 0; m_end > w.i_begin && head < head_end; ++t) {
+        for (int t = 0; m_end > w.i_begin && at.head < head_end; ++t, at.advance(w.i_begin, m_end)) {
+            const int head = at.head, m_block = at.block;
             const int st = t % kStages;
             const int row_begin = m_block * kBlockM;
             ptx::mbarrier_wait_parity(s.full(st), algo::ring_parity<kStages>(t));
@@ -585,10 +585,6 @@ struct Backward {
             ptx::fence_accumulators(acc_dv);
             ptx::fence_accumulators(acc_dk);
             ptx::mbarrier_arrive(s.empty(st));  // Q_i, dO_i, LSE_i, D_i are read
-            if (++m_block == m_end) {
-                m_block = w.i_begin;
-                ++head;
-            }
         }
 
         // The tile's walk again rather than kept across the loop: at head_dim 128, causal, the
@@ -659,9 +655,10 @@ struct Backward {
 
         ptx::mbarrier_wait_parity(s.kv_full(), 0);
         const int head_end = (w.kv_head + 1) * w.group, m_end = w.i_begin + w.i_count;
-        int head = w.kv_head * w.group, m_block = w.i_begin;
+        algo::StepCursor at{w.kv_head * w.group, w.i_begin};
 #pragma unroll 1
-        for (int t = 0; m_end > w.i_begin && head < head_end; ++t) {
+        for (int t = 0; m_end > w.i_begin && at.head < head_end; ++t, at.advance(w.i_begin, m_end)) {
+            const int head = at.head, m_block = at.block;
             const int st = t % kStages;
             const int buffer = t % 2;
             const int query_begin = m_block * kBlockM + own_query;
@@ -703,10 +700,6 @@ struct Backward {
             store_dq_stage(s, consumer, st, acc_dq, warp, lane);
             ptx::fence_proxy_async_shared_cta();
             ptx::mbarrier_arrive(s.dq_full(consumer, st));
-            if (++m_block == m_end) {
-                m_block = w.i_begin;
-                ++head;
-            }
         }
 
         store_key_grads(p, s, w, acc_dk, acc_dv, consumer, warp, lane, thread);
