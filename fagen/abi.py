@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 1
+# 2: the dQ accumulator's rows padded to contract.DQ_ACCUM_ROW_ALIGN per (batch, head).
+ABI_VERSION = 2
 
 _c_longlong = ctypes.c_longlong
 

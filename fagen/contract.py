@@ -164,6 +164,16 @@ BWD_ROWS_PER_CTA = 64  # 4 warps, a row each at a time: 16 rows per warp
 BWD_ROW_THREADS = 128
 
 
+# The dQ accumulator's rows per (batch, head) are padded to a multiple of this: the FA2
+# backward adds it in whole 16 x 8 fragment tiles (templates/include/fagen/algo/backward_rows.cuh),
+# the last of which would otherwise reach into the next head's rows.
+DQ_ACCUM_ROW_ALIGN = 16
+
+
+def dq_accum_rows(seqlen_q: int) -> int:
+    return -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+
+
 def bwd_row_grid(seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
     return (-(-seqlen_q // BWD_ROWS_PER_CTA), heads_q, batch)
 
@@ -172,7 +182,9 @@ def bwd_row_grid(seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int
 class BackwardWorkspace:
     """The fp32 arrays a backward call needs beside its outputs, as float offsets into one
     buffer (FagenBwdParams: dq_accum, softmax_d, lse_log2), and the int32 semaphores of the
-    deterministic mode (their own, zeroed buffer: one per query block of the main kernel)."""
+    deterministic mode (their own, zeroed buffer: one per query block of the main kernel).
+    The dQ accumulator holds dq_accum_rows(seqlen_q) rows of head_dim floats per (batch,
+    head); softmax_d and lse_log2 one float per query row."""
 
     dq_accum: int
     softmax_d: int
@@ -184,8 +196,8 @@ class BackwardWorkspace:
     def of(cls, batch: int, heads_q: int, seqlen_q: int, head_dim: int,
            block_m: int) -> "BackwardWorkspace":
         rows = batch * heads_q * seqlen_q
-        return cls(dq_accum=0, softmax_d=rows * head_dim, lse_log2=rows * (head_dim + 1),
-                   floats=rows * (head_dim + 2),
+        accum = batch * heads_q * dq_accum_rows(seqlen_q) * head_dim
+        return cls(dq_accum=0, softmax_d=accum, lse_log2=accum + rows, floats=accum + 2 * rows,
                    semaphores=batch * heads_q * -(-seqlen_q // block_m))
 
 
@@ -320,6 +332,7 @@ def render_contract_header() -> str:
         f"#define FAGEN_BWD_CONVERT_SUFFIX \"{BWD_CONVERT_SUFFIX}\"",
         f"#define FAGEN_BWD_ROWS_PER_CTA {BWD_ROWS_PER_CTA}",
         f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
+        f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
         "",
         "#ifdef __cplusplus",
         "#include <string>",

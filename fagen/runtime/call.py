@@ -130,15 +130,16 @@ def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract
 def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
                  dq_accum: int) -> ctypes.Array:
     """FagenBwdTmaMaps (params.h): Q, K, V as tma_maps(), dO like Q; and the fp32 dQ
-    accumulator at `dq_accum`, (batch, heads_q, seqlen_q, head_dim) contiguous, in boxes of
-    ACCUM_BOX_COLUMNS x tma_q_rows."""
+    accumulator at `dq_accum`, (batch, heads_q, seqlen_q, head_dim) with
+    contract.dq_accum_rows(seqlen_q) rows per head, in boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
     p = problem
     row_bytes = p.head_dim * contract.ACCUM_BYTES
+    head_bytes = row_bytes * contract.dq_accum_rows(p.seqlen_q)
     return _blob_array(b"".join((
         _qkv_map_blob(problem, t.q, t.k, t.v, launch),
         _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
         _encode_tensor_map("fp32", dq_accum, (p.head_dim, p.seqlen_q, p.heads_q, p.batch),
-                           (row_bytes, row_bytes * p.seqlen_q, row_bytes * p.seqlen_q * p.heads_q),
+                           (row_bytes, head_bytes, head_bytes * p.heads_q),
                            (contract.ACCUM_BOX_COLUMNS, launch.tma_q_rows, 1, 1)),
     )))
 

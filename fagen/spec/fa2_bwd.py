@@ -179,10 +179,11 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kPRowPitchBytes", g.p_row_pitch_bytes),
             Constexpr("kProbsInRegisters", g.probs_in_registers),
             Constexpr("kSmemBytes", g.smem_bytes),
-            # sm_90 adds dQ's column pairs in one vector reduction (ptx/red.cuh).
-            Constexpr("kPairedReductions", ARCHS[self.arch].compute_capability >= (9, 0)),
+            # sm_90 adds four dQ columns in one vector reduction (ptx/red.cuh).
+            Constexpr("kVectorReductions", ARCHS[self.arch].compute_capability >= (9, 0)),
             Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
             Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
+            Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
         ]
 
     def launch(self) -> contract.Launch:

@@ -263,6 +263,7 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kAccumBoxColumns", contract.ACCUM_BOX_COLUMNS),
             Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
             Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
+            Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
         ]
 
     def launch(self) -> contract.Launch:

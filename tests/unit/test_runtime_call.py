@@ -157,3 +157,15 @@ def test_the_runtime_call_imports_no_torch():
     code = "import sys, fagen.runtime; print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_backward_workspace_pads_the_accumulator_rows_per_head():
+    # 300 query rows -> 304 accumulator rows per head (16-row fragment tiles of the FA2
+    # backward); D and the base-2 LSE one float per row after it.
+    from fagen import contract
+    layout = contract.BackwardWorkspace.of(batch=2, heads_q=4, seqlen_q=300, head_dim=128, block_m=64)
+    accum = 2 * 4 * 304 * 128
+    assert (layout.dq_accum, layout.softmax_d, layout.lse_log2) == (0, accum, accum + 2 * 4 * 300)
+    assert layout.floats == accum + 2 * 2 * 4 * 300
+    assert layout.semaphores == 2 * 4 * 5
+    assert contract.dq_accum_rows(16) == 16 and contract.dq_accum_rows(17) == 32

@@ -758,10 +758,15 @@ public:
     }
 
     // Bytes of the fp32 workspace and of the deterministic mode's semaphores a backward of `a`
-    // needs (fagen/contract.py, BackwardWorkspace): dQ's accumulator, rowsum(dO * O) and the
-    // LSE in base 2 per query row; one int32 per query block of the main kernel.
+    // needs (fagen/contract.py, BackwardWorkspace): dQ's accumulator (its rows per head padded
+    // to FAGEN_DQ_ACCUM_ROW_ALIGN), rowsum(dO * O) and the LSE in base 2 per query row; one
+    // int32 per query block of the main kernel.
+    static long long dq_accum_rows(int seqlen_q) {
+        return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
+    }
     static size_t backward_workspace_bytes(const Attention& a) {
-        return sizeof(float) * static_cast<size_t>(a.batch) * a.heads_q * a.seqlen_q * (a.head_dim + 2);
+        const size_t heads = static_cast<size_t>(a.batch) * a.heads_q;
+        return sizeof(float) * heads * (dq_accum_rows(a.seqlen_q) * a.head_dim + 2 * static_cast<size_t>(a.seqlen_q));
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
@@ -814,9 +819,10 @@ public:
         p.dq = reinterpret_cast<void*>(a.dq);
         p.dk = reinterpret_cast<void*>(a.dk);
         p.dv = reinterpret_cast<void*>(a.dv);
+        const long long accum_floats = static_cast<long long>(a.batch) * a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim;
         p.dq_accum = workspace;
-        p.softmax_d = workspace + rows * a.head_dim;
-        p.lse_log2 = workspace + rows * (a.head_dim + 1);
+        p.softmax_d = workspace + accum_floats;
+        p.lse_log2 = workspace + accum_floats + rows;
         p.dq_semaphore = reinterpret_cast<int*>(a.semaphores);
         const std::pair<long long*, const Strides*> strides[] = {
             {&p.q_batch_stride, &q}, {&p.k_batch_stride, &k}, {&p.v_batch_stride, &v}, {&p.o_batch_stride, &o},
@@ -836,8 +842,8 @@ public:
         if (Status s = encode_tensor_map(&maps.dout, a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.head_dim, dout,
                                          info.tma_q_rows);
             !s.ok()) return s;
-        const Strides accum{static_cast<long long>(a.heads_q) * a.seqlen_q * a.head_dim, a.head_dim,
-                            static_cast<long long>(a.seqlen_q) * a.head_dim};
+        const Strides accum{a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim, a.head_dim,
+                            dq_accum_rows(a.seqlen_q) * a.head_dim};
         if (Status s = encode_tensor_map(&maps.dq_accum, a.dtype, reinterpret_cast<CUdeviceptr>(p.dq_accum), a.batch,
                                          a.seqlen_q, a.heads_q, a.head_dim, accum, info.tma_q_rows, true);
             !s.ok()) return s;

@@ -5,7 +5,8 @@
 // Python side computed with static_assert, so the two layouts cannot drift apart silently.
 #pragma once
 
-#define FAGEN_ABI_VERSION 1
+// 2: FagenBwdParams.dq_accum's rows padded per (batch, head).
+#define FAGEN_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,8 +41,9 @@ typedef struct FagenFwdParams {
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
 // FagenFwdParams. Tensors in flash-attn layout; dq/dk/dv like q/k/v (dk, dv with heads_kv heads).
-// The fp32 workspace arrays are (batch, heads_q, seqlen_q[, head_dim]) contiguous; the caller
-// allocates them (fagen/contract.py: BackwardWorkspace) and the preprocess kernel fills them.
+// The fp32 workspace arrays are (batch, heads_q, seqlen_q) contiguous, dq_accum's rows padded
+// to FAGEN_DQ_ACCUM_ROW_ALIGN per (batch, head); the caller allocates them (fagen/contract.py:
+// BackwardWorkspace) and the preprocess kernel fills them.
 typedef struct FagenBwdParams {
     const void* q;
     const void* k;
@@ -52,7 +54,8 @@ typedef struct FagenBwdParams {
     void* dq;
     void* dk;
     void* dv;
-    float* dq_accum;    // head_dim floats per query row: dQ / softmax_scale, accumulated
+    float* dq_accum;    // head_dim floats per query row: dQ / softmax_scale, accumulated (in the
+                        // order of the kernel's algo::BackwardRows)
     float* softmax_d;   // per query row: rowsum(dO * O)
     float* lse_log2;    // per query row: LSE * log2(e), +inf for a row that saw no key
     // Deterministic mode: one counter per (batch, head_q, query block of the main kernel),

@@ -14,9 +14,11 @@
 //                       dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D_i),
 //               dS^T goes to shared memory (in the element type), and P^T too unless a
 //               warp holds all of the step's queries (kProbsInRegisters), then
-//                       dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j
-//               with dQ_i added to the fp32 accumulator in global memory: atomics, or in key-block
-//               order behind a counter per query block (deterministic mode).
+//                       dV_j += P^T dO_i,  dQ_i += dS K_j,  dK_j += dS^T Q_i
+//               with dQ_i added to the fp32 accumulator in global memory by reductions, one
+//               16-byte vector per lane and fragment tile (algo/backward_rows.cuh has the
+//               layout): in any order, or in key-block order behind a counter per query block
+//               (deterministic mode).
 //   dq          dQ = softmax_scale * accumulator, in the element type (algo/backward_rows.cuh).
 //
 // Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of kWarpKeys keys
@@ -52,7 +54,8 @@ struct Backward {
     using Element = typename Config::Element;
     using Ops = ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kCausal>;
-    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads>;
+    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads,
+                                    Config::kDqAccumRowAlign, /*kFragmentTiles=*/true>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -230,8 +233,15 @@ struct Backward {
 
     static __device__ void run(const FagenBwdParams& p, char* smem_raw) {
         const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-        const int n_block = key_block_of_cta(p), kv_head = blockIdx.y, batch = blockIdx.z;
+        const typename Order::Tile tile = tile_of_cta(p);
+        const int n_block = tile.n_block, kv_head = tile.head_of_batch % p.heads_kv;
+        const int batch = tile.head_of_batch / p.heads_kv;
         const int group = p.heads_q / p.heads_kv;
+        // The walk counts its query heads over the batch (batch * heads_q + head: the index of
+        // the LSE, D, dQ-accumulator and semaphore rows), and the stores of dK and dV after it
+        // find their head from the CTA index again, so that the loop keeps neither batch nor K/V
+        // head live (with them the causal tile at head_dim 128 spilled).
+        const int first_head = tile.head_of_batch * group;
         const int key_begin = n_block * kBlockN;
         const Mask mask{p.seqlen_q, p.seqlen_k};
         const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
@@ -249,23 +259,16 @@ struct Backward {
         const int key_group = warp % kKeyGroups, col_split = warp / kKeyGroups;
         const int query_group = warp % kQueryGroups, dq_split = warp / kQueryGroups;
 
-        auto head_row0 = [&](int head) {
-            return (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
-        };
         // The next step to load: its rows of Q and dO and its first row in LSE and D, moved
-        // one query block on per step and recomputed only when the walk moves to the next head.
-        algo::StepCursor loading{kv_head * group, i_begin};
-        const Element *q_rows, *dout_rows;
-        long long lse_row0;
-        auto point_loads_at_head = [&] {
-            const int row_begin = i_begin * kBlockM;
-            q_rows = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
-                     loading.head * p.q_head_stride + row_begin * p.q_row_stride;
-            dout_rows = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                        loading.head * p.do_head_stride + row_begin * p.do_row_stride;
-            lse_row0 = head_row0(loading.head) + row_begin;
-        };
-        point_loads_at_head();
+        // one query block on per step, and from the end of a head's walk to the start of the
+        // next head's (of the same batch) when the walk moves on.
+        algo::StepCursor loading{first_head, i_begin};
+        const int first_row = i_begin * kBlockM;
+        const Element* q_rows = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
+                                kv_head * group * p.q_head_stride + first_row * p.q_row_stride;
+        const Element* dout_rows = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                                   kv_head * group * p.do_head_stride + first_row * p.do_row_stride;
+        long long lse_row0 = static_cast<long long>(first_head) * p.seqlen_q + first_row;
         auto load_step = [&](int stage) {
             const int rows_valid = p.seqlen_q - loading.block * kBlockM;
             algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q_rows, p.q_row_stride,
@@ -275,12 +278,14 @@ struct Backward {
             load_row_floats(s.lse(stage), s.d(stage), p, lse_row0, rows_valid, tid);
             const int head = loading.head;
             loading.advance(i_begin, m_blocks);
+            q_rows += kBlockM * p.q_row_stride;
+            dout_rows += kBlockM * p.do_row_stride;
+            lse_row0 += kBlockM;
             if (loading.head != head) {
-                point_loads_at_head();
-            } else {
-                q_rows += kBlockM * p.q_row_stride;
-                dout_rows += kBlockM * p.do_row_stride;
-                lse_row0 += kBlockM;
+                const int walked = i_count * kBlockM;
+                q_rows += p.q_head_stride - walked * p.q_row_stride;
+                dout_rows += p.do_head_stride - walked * p.do_row_stride;
+                lse_row0 += p.seqlen_q - walked;
             }
         };
 
@@ -307,7 +312,7 @@ struct Backward {
         const int warp_key = key_group * kWarpKeys;     // first key of this warp (within the block)
         const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
 
-        algo::StepCursor current{kv_head * group, i_begin};
+        algo::StepCursor current{first_head, i_begin};
         for (int t = 0; t < steps; ++t, current.advance(i_begin, m_blocks)) {
             const int stage = Config::kStages == 2 ? t % 2 : 0;
             ptx::cp_async_wait_group<0>();
@@ -367,57 +372,58 @@ struct Backward {
                     }
             store_probs(s.ds(), acc_dp, warp_key, warp_query, lane);
 
+            // dQ (kWarpQueries queries x kDqCols) += dS K, added to the accumulator in global
+            // memory in chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV
+            // spills at head_dim 256).
+            auto add_dq_of_step = [&] {
+                DqTurn turn(p, mask, head, m_block, n_block);
+                float* const accum_rows = p.dq_accum + Rows::accum_head(p, head) + row_begin * kHeadDim;
+#pragma unroll
+                for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
+                    const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
+                    float acc_dq[kDqRowTiles][kDqChunkTiles][4];
+                    algo::clear_fragment(acc_dq);
+#pragma unroll
+                    for (int kk = 0; kk < kNSteps; ++kk) {
+                        uint32_t a_ds[kDqRowTiles][4];
+#pragma unroll
+                        for (int m = 0; m < kDqRowTiles; ++m) {
+                            ptx::ldmatrix_x4_trans(a_ds[m], s.ds() + pat_lane + kk * 16 * kPPitch +
+                                                                (query_group * kWarpQueries + 16 * m) * 2);
+                        }
+#pragma unroll
+                        for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
+                            uint32_t b_k[4];
+                            ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
+                            mma_tile_pair(acc_dq, a_ds, b_k, dp);
+                        }
+                    }
+                    add_dq(accum_rows, acc_dq, p.seqlen_q - row_begin, query_group * kWarpQueries, dq_col, lane);
+                }
+                turn.pass();
+            };
+
             // dV += P^T dO and dK += dS^T Q: this warp's keys, its part of head_dim. With
             // every query of the step in this warp, P^T and dS^T are A operands straight from
             // the accumulators (the C fragments of two n8 tiles are the A fragment of a k16
-            // step), and the products run while the other warps finish their dS^T.
+            // step), and the products run while the other warps finish their dS^T. Otherwise
+            // dQ goes between dV and dK, so that its reductions drain while dK's MMAs issue
+            // (1.00-1.03x dQ last at head dims 64 and 128 in run 107, even at 256 in run 108).
             const uint32_t kv_col_bytes = col_split * kKVCols * 2;
             if constexpr (kProbsInRegisters) {
                 warp_product_nn(acc_dv, acc_s, s.dout(stage) + bt_lane + kv_col_bytes);
                 warp_product_nn(acc_dk, acc_dp, s.q(stage) + bt_lane + kv_col_bytes);
                 __syncthreads();  // dS^T of the whole block is in shared memory
+                add_dq_of_step();
             } else {
                 store_probs(s.p(), acc_s, warp_key, warp_query, lane);
                 __syncthreads();  // P^T and dS^T of the whole block are in shared memory
                 warp_product_nn(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
                                 s.dout(stage) + bt_lane + kv_col_bytes);
+                add_dq_of_step();
                 warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
                                 s.q(stage) + bt_lane + kv_col_bytes);
             }
-
-            // dQ (kWarpQueries queries x kDqCols) += dS K, added to the accumulator in global
-            // memory in chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV
-            // spills at head_dim 256).
-            DqTurn turn(p, mask, batch, head, m_block, n_block);
-#pragma unroll
-            for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
-                const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
-                float acc_dq[kDqRowTiles][kDqChunkTiles][4];
-                algo::clear_fragment(acc_dq);
-#pragma unroll
-                for (int kk = 0; kk < kNSteps; ++kk) {
-                    uint32_t a_ds[kDqRowTiles][4];
-#pragma unroll
-                    for (int m = 0; m < kDqRowTiles; ++m) {
-                        ptx::ldmatrix_x4_trans(a_ds[m], s.ds() + pat_lane + kk * 16 * kPPitch +
-                                                            (query_group * kWarpQueries + 16 * m) * 2);
-                    }
-#pragma unroll
-                    for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
-                        uint32_t b_k[4];
-                        ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
-                        mma_tile_pair(acc_dq, a_ds, b_k, dp);
-                    }
-                }
-                if (turn.ordered()) {
-                    add_dq<true>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
-                                 query_group * kWarpQueries, dq_col, lane);
-                } else {
-                    add_dq<false>(p, acc_dq, head_row0(head) + row_begin, p.seqlen_q - row_begin,
-                                  query_group * kWarpQueries, dq_col, lane);
-                }
-            }
-            turn.pass();
 
             if constexpr (Config::kStages == 1) {
                 __syncthreads();  // every warp is done with Q_i, dO_i
@@ -427,29 +433,32 @@ struct Backward {
         }
         ptx::cp_async_wait_group<0>();
 
+        const typename Order::Tile again = tile_of_cta(p);
+        const int end_batch = again.head_of_batch / p.heads_kv, end_kv_head = again.head_of_batch % p.heads_kv;
         store_kv(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale,
-                 batch, kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+                 end_batch, end_kv_head, key_begin + warp_key, col_split * kKVCols, lane);
         store_kv(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
-                 batch, kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+                 end_batch, end_kv_head, key_begin + warp_key, col_split * kKVCols, lane);
     }
 
-    using Order = algo::DqOrder<Config::kCausal, kBlockM, kBlockN>;
+    using Order = algo::TileOrder<Config::kCausal, kBlockM, kBlockN>;
 
-    // The key block of this CTA (algo/backward_tile.cuh: deterministic causal from the last).
-    static __device__ int key_block_of_cta(const FagenBwdParams& p) {
-        return Order::key_block(p, blockIdx.x, static_cast<int>(gridDim.x));
+    // The tile of this CTA: grid (key blocks, heads_kv, batch) in the launch order of
+    // algo::TileOrder.
+    static __device__ typename Order::Tile tile_of_cta(const FagenBwdParams& p) {
+        return Order::at(p, blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                         static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z));
     }
 
-    // Deterministic mode's turn of a CTA on dQ_i (algo/backward_tile.cuh): it adds with plain
-    // loads and stores past L1. Without a semaphore array the CTAs add with atomics, in any
-    // order.
+    // Deterministic mode's turn of a CTA on dQ_i (algo/backward_tile.cuh): the CTAs add with
+    // the same reductions, one CTA at a time in key-block order, so every element of the
+    // accumulator sums its terms in one order. Without a semaphore array they add in any order.
     struct DqTurn {
         int* semaphore = nullptr;
 
-        __device__ DqTurn(const FagenBwdParams& p, const Mask& mask, int batch, int head, int m_block,
-                          int n_block) {
+        __device__ DqTurn(const FagenBwdParams& p, const Mask& mask, int head, int m_block, int n_block) {
             if (p.dq_semaphore == nullptr) return;
-            semaphore = Order::semaphore(p, batch, head, m_block);
+            semaphore = Order::semaphore(p, head, m_block);
             const int rank = Order::rank(mask, m_block, n_block);
             if (threadIdx.x == 0) {
                 while (atomicAdd(semaphore, 0) != rank) {
@@ -459,8 +468,6 @@ struct Backward {
             __syncthreads();
         }
 
-        __device__ bool ordered() const { return semaphore != nullptr; }
-
         __device__ void pass() const {
             if (semaphore == nullptr) return;
             __threadfence();
@@ -469,33 +476,26 @@ struct Backward {
         }
     };
 
-    // A warp's (16*kM) x 8*kTiles part of dQ_i, at columns col0.., into the accumulator: one
-    // address per thread, the tiles at constant offsets from it, rows past seqlen_q left out.
-    template <bool kOrdered, int kM, int kTiles>
-    static __device__ __forceinline__ void add_dq(const FagenBwdParams& p,
-                                                  const float (&acc)[kM][kTiles][4], long long row0,
+    // A warp's (16*kM) x 8*kTiles part of dQ_i, at columns col0.., into the accumulator from
+    // the query block's first row on (`accum_rows`, a multiple of 16 rows). Its fragment tiles
+    // (algo/backward_rows.cuh) take each C fragment as one 16-byte reduction per lane: one
+    // address per thread, every tile at a constant offset from it. Row groups wholly past
+    // seqlen_q are left out (the rest of a group falls in the head's padding).
+    template <int kM, int kTiles>
+    static __device__ __forceinline__ void add_dq(float* accum_rows, const float (&acc)[kM][kTiles][4],
                                                   int rows_valid, int warp_row, int col0, int lane) {
-        const algo::FragmentCoord first = algo::fragment_coord(lane, 0, 0, 0);
-        float* const origin = p.dq_accum + (row0 + warp_row + first.row) * kHeadDim + col0 + first.col;
-        const int row = warp_row + first.row;
+        float* const origin = accum_rows + warp_row * kHeadDim + (col0 / 8) * 128 + 4 * lane;
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
+            if (warp_row + 16 * m >= rows_valid) continue;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (row + 16 * m + 8 * h >= rows_valid) continue;
+            for (int n = 0; n < kTiles; ++n) {
+                float* at = origin + 16 * m * kHeadDim + n * 128;
+                if constexpr (Config::kVectorReductions) {
+                    ptx::red_global_add_v4_f32(at, acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+                } else {
 #pragma unroll
-                for (int n = 0; n < kTiles; ++n) {
-                    float* at = origin + (16 * m + 8 * h) * kHeadDim + 8 * n;
-                    const float lo = acc[m][n][2 * h], hi = acc[m][n][2 * h + 1];
-                    if constexpr (kOrdered) {
-                        const float2 old = __ldcg(reinterpret_cast<const float2*>(at));
-                        __stcg(reinterpret_cast<float2*>(at), make_float2(old.x + lo, old.y + hi));
-                    } else if constexpr (Config::kPairedReductions) {
-                        ptx::red_global_add_v2_f32(at, lo, hi);
-                    } else {
-                        atomicAdd(at, lo);
-                        atomicAdd(at + 1, hi);
-                    }
+                    for (int i = 0; i < 4; ++i) atomicAdd(at + i, acc[m][n][i]);
                 }
             }
         }

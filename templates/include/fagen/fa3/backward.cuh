@@ -71,8 +71,8 @@ struct Backward {
     using Ops = fa2::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kCausal>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
-                                    Config::kBwdRowThreads>;
-    using Order = algo::DqOrder<Config::kCausal, Config::kBlockM, Config::kBlockN>;
+                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign>;
+    using Order = algo::TileOrder<Config::kCausal, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;  // queries per step
@@ -184,21 +184,17 @@ struct Backward {
         }
     };
 
-    // One tile (key block, K/V head, batch) per CTA, the key block fastest in launch order (the
-    // grid's x): tiles that run at the same time share their K/V head's Q, dO and dQ in L2 (with
-    // the key block slowest, every head at once, the backward ran at 0.71-0.98x, run 78).
-    // Deterministic mode orders the causal key blocks from the last (algo/backward_tile.cuh says
-    // why).
+    // One tile (key block, K/V head, batch) per CTA, in the launch order of algo::TileOrder.
     static __device__ int key_blocks(const FagenBwdParams& p) { return (p.seqlen_k + kBlockN - 1) / kBlockN; }
     static __device__ int tile_of_cta() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
 
     static __device__ Walk walk_of_tile(const FagenBwdParams& p, int tile) {
         Walk w;
         const int n_blocks = key_blocks(p);
-        const int order = tile % n_blocks, head_of_batch = tile / n_blocks;
-        w.n_block = Order::key_block(p, order, n_blocks);
-        w.kv_head = head_of_batch % p.heads_kv;
-        w.batch = head_of_batch / p.heads_kv;
+        const typename Order::Tile at = Order::at(p, tile, n_blocks, p.batch * p.heads_kv);
+        w.n_block = at.n_block;
+        w.kv_head = at.head_of_batch % p.heads_kv;
+        w.batch = at.head_of_batch / p.heads_kv;
         w.group = p.heads_q / p.heads_kv;
         const Mask mask{p.seqlen_q, p.seqlen_k};
         const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
@@ -283,7 +279,7 @@ struct Backward {
         __device__ void tile(const Walk&) const {}
         __device__ void step(const Walk& w, int head, int m_block, int t) const {
             const bool ordered = p.dq_semaphore != nullptr;
-            int* semaphore = ordered ? Order::semaphore(p, w.batch, head, m_block) : nullptr;
+            int* semaphore = ordered ? Order::semaphore(p, w.batch * p.heads_q + head, m_block) : nullptr;
             if (ordered) {
                 const Mask mask{p.seqlen_q, p.seqlen_k};
                 const int rank = Order::rank(mask, m_block, w.n_block);
