@@ -84,9 +84,16 @@ struct Backward {
     }
     static constexpr int kDqChunkCols = dq_chunk_cols();
     static constexpr int kDqChunkTiles = kDqChunkCols / 8;
+    static constexpr int kDqChunks = kDqCols / kDqChunkCols;
+    static constexpr int kDqTiles = kDqRowTiles * kDqChunkTiles;  // a chunk's C fragments per warp
     static constexpr int kDSteps = kHeadDim / 16;  // k16 steps over head_dim
     static constexpr int kMSteps = kBlockM / 16;   // over the queries of a block
     static constexpr int kNSteps = kBlockN / 16;   // over the keys of a block
+    // dQ's last chunk is added during dK's product, kDqPerStep fragments after each of its
+    // k-steps until none is left (the main loop says why): one more than an even share where
+    // there are more fragments than k-steps, so that the last steps keep fewer of them live
+    // (with an even share the causal tile at head_dim 256 spilled).
+    static constexpr int kDqPerStep = (kDqTiles + kMSteps - 1) / kMSteps + (kDqTiles > kMSteps ? 1 : 0);
 
     static_assert(kWarpKeys % 16 == 0 && kWarpQueries % 16 == 0);
     static_assert(kKeyGroups * kColSplits == Config::kWarps, "warps = key groups x column parts");
@@ -158,10 +165,11 @@ struct Backward {
     }
 
     // acc (16*kM x 8*kN) += A (16*kM x block_m, row-major at `a`, the P^T / dS^T pitch) *
-    // B (block_m x 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
-    template <int kM, int kN>
-    static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a,
-                                                           uint32_t b) {
+    // B (block_m x 8*kN, row-major at `b`, the Q / dO pitch, read transposed); after_step(kk)
+    // runs after the MMAs of each k16 step.
+    template <int kM, int kN, class AfterStep>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a, uint32_t b,
+                                                           AfterStep&& after_step) {
 #pragma unroll
         for (int kk = 0; kk < kMSteps; ++kk) {
             uint32_t frag_a[kM][4];
@@ -172,6 +180,33 @@ struct Backward {
                 uint32_t frag_b[4];
                 ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
                 mma_tile_pair(acc, frag_a, frag_b, dp);
+            }
+            after_step(kk);
+        }
+    }
+
+    template <int kM, int kN>
+    static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a,
+                                                           uint32_t b) {
+        warp_product_nn(acc, a, b, [](int) {});
+    }
+
+    // acc = this warp's dQ rows x kDqChunkCols columns from dq_col = dS K: A from dS^T (at
+    // `ds`, the per-lane address of a transposed A read), B from K (`k`, the per-lane address
+    // of a transposed B read).
+    static __device__ __forceinline__ void dq_product(float (&acc)[kDqRowTiles][kDqChunkTiles][4], uint32_t ds,
+                                                      uint32_t k, int dq_col) {
+        algo::clear_fragment(acc);
+#pragma unroll
+        for (int kk = 0; kk < kNSteps; ++kk) {
+            uint32_t a_ds[kDqRowTiles][4];
+#pragma unroll
+            for (int m = 0; m < kDqRowTiles; ++m) ptx::ldmatrix_x4_trans(a_ds[m], ds + kk * 16 * kPPitch + m * 32);
+#pragma unroll
+            for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
+                uint32_t b_k[4];
+                ptx::ldmatrix_x4_trans(b_k, k + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
+                mma_tile_pair(acc, a_ds, b_k, dp);
             }
         }
     }
@@ -375,54 +410,51 @@ struct Backward {
             // dQ (kWarpQueries queries x kDqCols) += dS K, added to the accumulator in global
             // memory in chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV
             // spills at head_dim 256).
-            auto add_dq_of_step = [&] {
-                DqTurn turn(p, mask, head, m_block, n_block);
-                float* const accum_rows = p.dq_accum + Rows::accum_head(p, head) + row_begin * kHeadDim;
-#pragma unroll
-                for (int chunk = 0; chunk < kDqCols / kDqChunkCols; ++chunk) {
-                    const int dq_col = dq_split * kDqCols + chunk * kDqChunkCols;
-                    float acc_dq[kDqRowTiles][kDqChunkTiles][4];
-                    algo::clear_fragment(acc_dq);
-#pragma unroll
-                    for (int kk = 0; kk < kNSteps; ++kk) {
-                        uint32_t a_ds[kDqRowTiles][4];
-#pragma unroll
-                        for (int m = 0; m < kDqRowTiles; ++m) {
-                            ptx::ldmatrix_x4_trans(a_ds[m], s.ds() + pat_lane + kk * 16 * kPPitch +
-                                                                (query_group * kWarpQueries + 16 * m) * 2);
-                        }
-#pragma unroll
-                        for (int dp = 0; dp < kDqChunkTiles / 2; ++dp) {
-                            uint32_t b_k[4];
-                            ptx::ldmatrix_x4_trans(b_k, s.k() + bt_lane + kk * 16 * kPitch + (dq_col + dp * 16) * 2);
-                            mma_tile_pair(acc_dq, a_ds, b_k, dp);
-                        }
-                    }
-                    add_dq(accum_rows, acc_dq, p.seqlen_q - row_begin, query_group * kWarpQueries, dq_col, lane);
-                }
-                turn.pass();
-            };
+            const DqRows dq_rows{p.dq_accum + Rows::accum_head(p, head) + row_begin * kHeadDim,
+                                 p.seqlen_q - row_begin, query_group * kWarpQueries, lane};
+            const uint32_t ds_lane = s.ds() + pat_lane + query_group * kWarpQueries * 2;
+            float acc_dq[kDqRowTiles][kDqChunkTiles][4];
 
             // dV += P^T dO and dK += dS^T Q: this warp's keys, its part of head_dim. With
             // every query of the step in this warp, P^T and dS^T are A operands straight from
             // the accumulators (the C fragments of two n8 tiles are the A fragment of a k16
             // step), and the products run while the other warps finish their dS^T. Otherwise
-            // dQ goes between dV and dK, so that its reductions drain while dK's MMAs issue
-            // (1.00-1.03x dQ last at head dims 64 and 128 in run 107, even at 256 in run 108).
+            // dQ's product goes between dV's and dK's, and its last chunk's reductions are
+            // spread over dK's k-steps, a few after each step's MMAs: issued at once, they
+            // filled the global-memory queue (run 111), stalling the warp and every instruction
+            // that reused their registers (spread: 1.02-1.09x, run 114, and up to 1.03x more with
+            // kDqPerStep's extra one, run 116; dQ last instead of between the products: 1.00-1.03x
+            // less at head dims 64 and 128, run 107).
             const uint32_t kv_col_bytes = col_split * kKVCols * 2;
             if constexpr (kProbsInRegisters) {
                 warp_product_nn(acc_dv, acc_s, s.dout(stage) + bt_lane + kv_col_bytes);
                 warp_product_nn(acc_dk, acc_dp, s.q(stage) + bt_lane + kv_col_bytes);
                 __syncthreads();  // dS^T of the whole block is in shared memory
-                add_dq_of_step();
+                DqTurn turn(p, mask, head, m_block, n_block);
+#pragma unroll
+                for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+                    dq_product(acc_dq, ds_lane, s.k() + bt_lane, dq_split * kDqCols + chunk * kDqChunkCols);
+                    add_dq(dq_rows, acc_dq, dq_split * kDqCols + chunk * kDqChunkCols, 0, kDqTiles);
+                }
+                turn.pass();
             } else {
                 store_probs(s.p(), acc_s, warp_key, warp_query, lane);
                 __syncthreads();  // P^T and dS^T of the whole block are in shared memory
                 warp_product_nn(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
                                 s.dout(stage) + bt_lane + kv_col_bytes);
-                add_dq_of_step();
-                warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
-                                s.q(stage) + bt_lane + kv_col_bytes);
+                DqTurn turn(p, mask, head, m_block, n_block);
+#pragma unroll
+                for (int chunk = 0; chunk + 1 < kDqChunks; ++chunk) {
+                    dq_product(acc_dq, ds_lane, s.k() + bt_lane, dq_split * kDqCols + chunk * kDqChunkCols);
+                    add_dq(dq_rows, acc_dq, dq_split * kDqCols + chunk * kDqChunkCols, 0, kDqTiles);
+                }
+                const int last_col = dq_split * kDqCols + (kDqChunks - 1) * kDqChunkCols;
+                dq_product(acc_dq, ds_lane, s.k() + bt_lane, last_col);
+                warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch, s.q(stage) + bt_lane + kv_col_bytes,
+                                [&](int kk) {
+                                    add_dq(dq_rows, acc_dq, last_col, kk * kDqPerStep, kDqPerStep);
+                                });
+                turn.pass();
             }
 
             if constexpr (Config::kStages == 1) {
@@ -476,27 +508,31 @@ struct Backward {
         }
     };
 
-    // A warp's (16*kM) x 8*kTiles part of dQ_i, at columns col0.., into the accumulator from
-    // the query block's first row on (`accum_rows`, a multiple of 16 rows). Its fragment tiles
-    // (algo/backward_rows.cuh) take each C fragment as one 16-byte reduction per lane: one
-    // address per thread, every tile at a constant offset from it. Row groups wholly past
-    // seqlen_q are left out (the rest of a group falls in the head's padding).
-    template <int kM, int kTiles>
-    static __device__ __forceinline__ void add_dq(float* accum_rows, const float (&acc)[kM][kTiles][4],
-                                                  int rows_valid, int warp_row, int col0, int lane) {
-        float* const origin = accum_rows + warp_row * kHeadDim + (col0 / 8) * 128 + 4 * lane;
+    // Where a warp adds its dQ rows of a step: the accumulator from the query block's first row
+    // on (a multiple of 16 rows), the block's rows before seqlen_q, the warp's first row.
+    struct DqRows {
+        float* accum;
+        int rows_valid, warp_row, lane;
+    };
+
+    // `count` of a warp's C fragments of dQ_i (kDqRowTiles x kDqChunkTiles, row tiles outer)
+    // from `first` on, at columns col0.., into the accumulator. Its fragment tiles
+    // (algo/backward_rows.cuh) take each as one 16-byte reduction per lane: one address per
+    // thread, every tile at a constant offset from it. Row groups wholly past seqlen_q are left
+    // out (the rest of a group falls in the head's padding).
+    static __device__ __forceinline__ void add_dq(const DqRows& rows, const float (&acc)[kDqRowTiles][kDqChunkTiles][4],
+                                                  int col0, int first, int count) {
+        float* const origin = rows.accum + rows.warp_row * kHeadDim + (col0 / 8) * 128 + 4 * rows.lane;
 #pragma unroll
-        for (int m = 0; m < kM; ++m) {
-            if (warp_row + 16 * m >= rows_valid) continue;
+        for (int t = first; t < first + count && t < kDqTiles; ++t) {
+            const int m = t / kDqChunkTiles, n = t % kDqChunkTiles;
+            if (rows.warp_row + 16 * m >= rows.rows_valid) continue;
+            float* at = origin + 16 * m * kHeadDim + n * 128;
+            if constexpr (Config::kVectorReductions) {
+                ptx::red_global_add_v4_f32(at, acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+            } else {
 #pragma unroll
-            for (int n = 0; n < kTiles; ++n) {
-                float* at = origin + 16 * m * kHeadDim + n * 128;
-                if constexpr (Config::kVectorReductions) {
-                    ptx::red_global_add_v4_f32(at, acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) atomicAdd(at + i, acc[m][n][i]);
-                }
+                for (int i = 0; i < 4; ++i) atomicAdd(at + i, acc[m][n][i]);
             }
         }
     }
