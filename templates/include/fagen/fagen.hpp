@@ -764,9 +764,13 @@ public:
     static long long dq_accum_rows(int seqlen_q) {
         return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
     }
+    // The floats of dQ's accumulator at the workspace's start; D and the base-2 LSE follow.
+    static long long dq_accum_floats(const Attention& a) {
+        return static_cast<long long>(a.batch) * a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim;
+    }
     static size_t backward_workspace_bytes(const Attention& a) {
-        const size_t heads = static_cast<size_t>(a.batch) * a.heads_q;
-        return sizeof(float) * heads * (dq_accum_rows(a.seqlen_q) * a.head_dim + 2 * static_cast<size_t>(a.seqlen_q));
+        const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
+        return sizeof(float) * static_cast<size_t>(dq_accum_floats(a) + 2 * rows);
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
@@ -819,10 +823,9 @@ public:
         p.dq = reinterpret_cast<void*>(a.dq);
         p.dk = reinterpret_cast<void*>(a.dk);
         p.dv = reinterpret_cast<void*>(a.dv);
-        const long long accum_floats = static_cast<long long>(a.batch) * a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim;
         p.dq_accum = workspace;
-        p.softmax_d = workspace + accum_floats;
-        p.lse_log2 = workspace + accum_floats + rows;
+        p.softmax_d = workspace + dq_accum_floats(a);
+        p.lse_log2 = p.softmax_d + rows;
         p.dq_semaphore = reinterpret_cast<int*>(a.semaphores);
         const std::pair<long long*, const Strides*> strides[] = {
             {&p.q_batch_stride, &q}, {&p.k_batch_stride, &k}, {&p.v_batch_stride, &v}, {&p.o_batch_stride, &o},

@@ -20,6 +20,18 @@ __device__ __forceinline__ FragmentCoord fragment_coord(int lane, int m, int n, 
     return {16 * m + (lane >> 2) + 8 * (i >> 1), 8 * n + 2 * (lane & 3) + (i & 1)};
 }
 
+// f(coord, lo, hi) for each pair of adjacent columns the thread holds: acc[m][n][2h], [2h + 1]
+// at coord = fragment_coord(lane, m, n, 2h) (a 32-bit store of two packed elements each).
+template <int kM, int kN, class F>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[kM][kN][4], int lane, F&& f) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) f(fragment_coord(lane, m, n, 2 * h), acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+}
+
 template <int kM, int kN>
 __device__ __forceinline__ void clear_fragment(float (&acc)[kM][kN][4]) {
 #pragma unroll

@@ -235,19 +235,10 @@ struct Backward {
     // the element type.
     static __device__ __forceinline__ void store_probs(uint32_t tile, const float (&acc)[kKeyTiles][kSTiles][4],
                                                        int warp_key, int warp_query, int lane) {
-#pragma unroll
-        for (int m = 0; m < kKeyTiles; ++m) {
-#pragma unroll
-            for (int n = 0; n < kSTiles; ++n) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, 2 * h);
-                    const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
-                    *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) =
-                        Ops::pack(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
-                }
-            }
-        }
+        algo::for_each_pair(acc, lane, [&](algo::FragmentCoord f, float lo, float hi) {
+            const uint32_t at = (warp_key + f.row) * kPPitch + (warp_query + f.col) * 2;
+            *static_cast<uint32_t*>(__cvta_shared_to_generic(tile + at)) = Ops::pack(lo, hi);
+        });
     }
 
     // ---------------------------------------------------------------- main
@@ -414,6 +405,11 @@ struct Backward {
                                  p.seqlen_q - row_begin, query_group * kWarpQueries, lane};
             const uint32_t ds_lane = s.ds() + pat_lane + query_group * kWarpQueries * 2;
             float acc_dq[kDqRowTiles][kDqChunkTiles][4];
+            auto dq_chunk = [&](int chunk) {  // its product into acc_dq; returns its first column
+                const int col = dq_split * kDqCols + chunk * kDqChunkCols;
+                dq_product(acc_dq, ds_lane, s.k() + bt_lane, col);
+                return col;
+            };
 
             // dV += P^T dO and dK += dS^T Q: this warp's keys, its part of head_dim. With
             // every query of the step in this warp, P^T and dS^T are A operands straight from
@@ -432,10 +428,7 @@ struct Backward {
                 __syncthreads();  // dS^T of the whole block is in shared memory
                 DqTurn turn(p, mask, head, m_block, n_block);
 #pragma unroll
-                for (int chunk = 0; chunk < kDqChunks; ++chunk) {
-                    dq_product(acc_dq, ds_lane, s.k() + bt_lane, dq_split * kDqCols + chunk * kDqChunkCols);
-                    add_dq(dq_rows, acc_dq, dq_split * kDqCols + chunk * kDqChunkCols, 0, kDqTiles);
-                }
+                for (int chunk = 0; chunk < kDqChunks; ++chunk) add_dq(dq_rows, acc_dq, dq_chunk(chunk), 0, kDqTiles);
                 turn.pass();
             } else {
                 store_probs(s.p(), acc_s, warp_key, warp_query, lane);
@@ -444,12 +437,8 @@ struct Backward {
                                 s.dout(stage) + bt_lane + kv_col_bytes);
                 DqTurn turn(p, mask, head, m_block, n_block);
 #pragma unroll
-                for (int chunk = 0; chunk + 1 < kDqChunks; ++chunk) {
-                    dq_product(acc_dq, ds_lane, s.k() + bt_lane, dq_split * kDqCols + chunk * kDqChunkCols);
-                    add_dq(dq_rows, acc_dq, dq_split * kDqCols + chunk * kDqChunkCols, 0, kDqTiles);
-                }
-                const int last_col = dq_split * kDqCols + (kDqChunks - 1) * kDqChunkCols;
-                dq_product(acc_dq, ds_lane, s.k() + bt_lane, last_col);
+                for (int chunk = 0; chunk + 1 < kDqChunks; ++chunk) add_dq(dq_rows, acc_dq, dq_chunk(chunk), 0, kDqTiles);
+                const int last_col = dq_chunk(kDqChunks - 1);
                 warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch, s.q(stage) + bt_lane + kv_col_bytes,
                                 [&](int kk) {
                                     add_dq(dq_rows, acc_dq, last_col, kk * kDqPerStep, kDqPerStep);
@@ -545,21 +534,12 @@ struct Backward {
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {
         Element* const origin = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
-#pragma unroll
-        for (int m = 0; m < kKeyTiles; ++m) {
-#pragma unroll
-            for (int n = 0; n < kKVTiles; ++n) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, 2 * h);
-                    const int key = first_key + f.row;
-                    if (key < p.seqlen_k) {
-                        *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) =
-                            Ops::pack(acc[m][n][2 * h] * scale, acc[m][n][2 * h + 1] * scale);
-                    }
-                }
+        algo::for_each_pair(acc, lane, [&](algo::FragmentCoord f, float lo, float hi) {
+            const int key = first_key + f.row;
+            if (key < p.seqlen_k) {
+                *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) = Ops::pack(lo * scale, hi * scale);
             }
-        }
+        });
     }
 };
 

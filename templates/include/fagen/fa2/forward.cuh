@@ -222,18 +222,9 @@ struct Forward {
                                                         long long o_row_stride, float* lse,
                                                         int rows_valid, int warp_row, int lane) {
         __syncwarp();
-#pragma unroll
-        for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-            for (int n = 0; n < kOTiles; ++n) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const algo::FragmentCoord c = algo::fragment_coord(lane, m, n, 2 * h);
-                    *reinterpret_cast<uint32_t*>(smem + (warp_row + c.row) * kPitch + c.col * 2) =
-                        Ops::pack(acc_o[m][n][2 * h], acc_o[m][n][2 * h + 1]);
-                }
-            }
-        }
+        algo::for_each_pair(acc_o, lane, [&](algo::FragmentCoord c, float lo, float hi) {
+            *reinterpret_cast<uint32_t*>(smem + (warp_row + c.row) * kPitch + c.col * 2) = Ops::pack(lo, hi);
+        });
         __syncwarp();
         constexpr int kWarpVecs = Config::kWarpRows * kVecsPerRow;
 #pragma unroll
