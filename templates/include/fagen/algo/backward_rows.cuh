@@ -11,6 +11,7 @@
 // by column; a head's rows are padded to 16.
 #pragma once
 #include "fagen/algo/fragment.cuh"
+#include "fagen/algo/lse.cuh"
 #include "fagen/fa2/element.cuh"
 #include "fagen/params.h"
 #include "fagen/types.cuh"
@@ -38,12 +39,11 @@ struct BackwardRows {
     }
 
     // ---------------------------------------------------------------- preprocess
-    // Warp per row: D = rowsum(dO * O), LSE * log2(e), dQ accumulator row = 0.
+    // Warp per row: D = rowsum(dO * O), the LSE in base 2 (algo/lse.cuh), dQ accumulator row = 0.
     static __device__ void preprocess(const FagenBwdParams& p) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
         constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
-        constexpr float kLog2e = 1.4426950408889634f;
         const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
         for (int r = warp; r < kRowsPerCta; r += kRowThreads / 32) {
             const int row = blockIdx.x * kRowsPerCta + r;
@@ -67,7 +67,7 @@ struct BackwardRows {
             if (lane == 0) {
                 const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
                 p.softmax_d[head_row0 + row] = sum;
-                p.lse_log2[head_row0 + row] = lse == algo::neg_inf() ? -algo::neg_inf() : lse * kLog2e;
+                p.lse_log2[head_row0 + row] = algo::base2_lse(lse);
             }
         }
     }

@@ -81,7 +81,9 @@ struct StepCursor {
 };
 
 // Zeroes the probabilities the mask hides in a warp's rows of a transposed score tile (rows are
-// keys from first_key, columns queries from first_query, the accumulator layout). The kernels call
+// keys from first_key, columns queries from first_query, the accumulator layout). Every step
+// whose keys reach past seqlen_k needs it, causal or not: a zero-filled key's probability
+// exp2(0 - LSE2) is not small, and overflows when the row's LSE is far below 0. The kernels call
 // it as a branch of its own on the steps that need it: folded into the exponentials' loop as a
 // predicate per element, the mask's compares and selects ran on every step, and a causal step
 // took 1.31x a non-causal one (1.84 against 1.40 us at head_dim 64, 2k; run 88).

@@ -37,6 +37,12 @@ struct AttentionMask {
         return needs;
     }
 
+    // Whether any (row, key) pair of the keys [key_begin, key_begin + block_n) may be masked for
+    // some row: causal, or keys past seqlen_k. A tile for which this is false needs no mask code.
+    __device__ __forceinline__ bool tile_may_need_mask(int key_begin, int block_n) const {
+        return kCausal || key_begin + block_n > seqlen_k;
+    }
+
     // How many of the visited key blocks [0, n_blocks) may hold a masked (row, key) pair for
     // rows from `row_begin` on. Those are the last blocks, which the kernels visit first (block
     // n_blocks - 1 - j in iteration j), so iterations j < the result may need a mask.

@@ -22,6 +22,7 @@
 #pragma once
 #include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/fragment.cuh"
+#include "fagen/algo/lse.cuh"
 #include "fagen/ptx/ex2.cuh"
 
 namespace fagen::algo {
@@ -58,10 +59,9 @@ __device__ __forceinline__ float reference_scaled(float reference, float scale_l
 }
 
 // A finished row's natural-log LSE from its reference maximum and its (complete) sum: -inf for a
-// row that saw no key (sum 0).
+// row that saw no key (sum 0). The exponents were taken against reference_scaled (algo/lse.cuh).
 __device__ __forceinline__ float row_lse(float reference, float sum, float scale_log2) {
-    constexpr float kLn2 = 0.6931471805599453f;
-    return sum == 0.f ? neg_inf() : (reference * scale_log2 + __log2f(sum)) * kLn2;
+    return natural_lse(reference_scaled(reference, scale_log2), sum);
 }
 
 // What a finished row's output is multiplied by: 1 / sum, and 0 for a row that saw no key.
