@@ -1,5 +1,22 @@
-"""The fp32 / low-precision reference the GPU tests hold fagen's kernels to (DESIGN.md's 2x
-rule): plain torch math, no fused kernels."""
+"""The references and the numerics rule the GPU tests hold fagen's kernels to (DESIGN.md).
+
+The reference is attention computed in fp64. An output passes when its max error is at most 2x
+(a gradient: 3x) the larger error of two low-precision computations by plain torch, plus a tiny
+atol:
+- `attention_math` in the low dtype: the explicit softmax, and torch's autograd through it;
+- `flash_recurrence`: FlashAttention's own arithmetic in torch: scores accumulated in fp32 (on
+  the tensor cores where torch can), fp32 row statistics, the exponent rounded as one fused
+  multiply-add rounds it, P rounded to the low dtype where it is a matrix operand, the natural-log
+  LSE, and a backward that recomputes the scores (in another summation order) and P from that
+  LSE, with D = rowsum(dO * O) from the output rounded to the low dtype.
+The second is needed where one key dominates a row (few keys, large scores): there torch's
+softmax gives P = 1 exactly and its backward dS = 1 * (g - g) = 0 exactly, an exactness that no
+FlashAttention kernel has: its exponents carry fp32 roundings at the scores' magnitude (an ulp
+of 4096 is 2^-11), the backward's recomputed scores differ from the forward's in their last bits,
+and D comes from the rounded output. With large scores those are a floor of the algorithm, which
+the second computation measures on the same inputs; with unit-size inputs the two errors are
+alike.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +24,192 @@ import math
 
 import torch
 
+from fagen import contract
+
+REFERENCE = torch.float64
+OUT_ATOL = 1e-5
+LSE_ATOL = 1e-3
+GRAD_ATOL = 1e-4
+
+
+def visible(seqlen_q, seqlen_k, causal, device):
+    """(seqlen_q, seqlen_k) bool: which keys a query row sees (causal aligned bottom-right)."""
+    row = torch.arange(seqlen_q, device=device).view(-1, 1)
+    col = torch.arange(seqlen_k, device=device).view(1, -1)
+    if not causal:
+        return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    return col <= row + (seqlen_k - seqlen_q)
+
+
+def heads_first(q, k, v, dtype):
+    """q, k, v as (batch, heads_q, seqlen, d) in `dtype`, K/V repeated over their query heads."""
+    group = q.shape[2] // k.shape[2]
+    return (q.to(dtype).transpose(1, 2), k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2),
+            v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2))
+
+
+def fold_heads(grad, heads_kv):
+    """(batch, heads_q, seqlen, d) -> (batch, seqlen, heads_kv, d), summed over each group."""
+    batch, heads_q, seqlen, dim = grad.shape
+    return grad.view(batch, heads_kv, heads_q // heads_kv, seqlen, dim).sum(2).transpose(1, 2)
+
 
 def attention_math(q, k, v, causal, scale, dtype):
     """Explicit softmax attention computed in `dtype`; returns out (b, sq, h, d) and LSE (b, h, sq)."""
-    seqlen_q, heads_q = q.shape[1], q.shape[2]
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    qh = q.to(dtype).transpose(1, 2)
-    kh = k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-    vh = v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+    qh, kh, vh = heads_first(q, k, v, dtype)
     scores = (qh @ kh.transpose(-1, -2)) * scale
-    if causal:
-        row = torch.arange(seqlen_q, device=q.device).view(-1, 1)
-        col = torch.arange(seqlen_k, device=q.device).view(1, -1)
-        scores = scores.masked_fill(col > row + (seqlen_k - seqlen_q), -math.inf)
+    scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], causal, q.device), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key: softmax gives NaN, the defined result is 0 (and LSE -inf).
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ vh).transpose(1, 2), lse
+
+
+def math_grads(q, k, v, dout, causal, scale, dtype):
+    """out, lse and dq, dk, dv of `attention_math` in `dtype` (torch's autograd), as float."""
+    inputs = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention_math(*inputs, causal, scale, dtype)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), [t.grad for t in inputs]
+
+
+def fused_exponent(scores, subtrahend, scale_log2):
+    """fp32 of scores * scale_log2 - subtrahend with one rounding, as an FFMA gives it (the product
+    of two fp32 values is exact in fp64)."""
+    return (scores.double() * scale_log2 - subtrahend.double()).float()
+
+
+def fp32_scores(qh, kh, split=1):
+    """Q K^T of 16-bit operands accumulated in fp32 on the tensor cores, as the kernels form it,
+    where torch offers 16-bit products with an fp32 result (`out_dtype`); else in IEEE fp32. The
+    tensor cores align each group of products to its largest and truncate, so with outliers their
+    sums lose more than an fp32 FMA chain. `split` > 1 sums the head dim in that many parts: the
+    other summation order of a backward that recomputes the scores."""
+    parts = zip(qh.chunk(split, dim=-1), kh.chunk(split, dim=-1))
+    total = None
+    for a, b in parts:
+        try:
+            part = torch.matmul(a, b.transpose(-1, -2), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            part = a.float() @ b.float().transpose(-1, -2)
+        total = part if total is None else total + part
+    return total
+
+
+def flash_recurrence(q, k, v, causal, scale, dtype, dout=None):
+    """FlashAttention's arithmetic by plain torch in fp32 with `dtype` operands (the module's
+    docstring). Returns out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is given,
+    each in `dtype` (the LSE in fp32)."""
+    low = heads_first(q, k, v, dtype)
+    qh, kh, vh = (t.float() for t in low)
+    scale_log2 = torch.tensor(contract.kernel_scale_log2(scale, q.shape[-1]), dtype=torch.float32).item()
+    hidden = ~visible(q.shape[1], k.shape[1], causal, q.device)
+    scores = fp32_scores(low[0], low[1]).masked_fill(hidden, -math.inf)
+    row_max = scores.amax(-1, keepdim=True)
+    reference = torch.where(row_max > -math.inf, row_max * scale_log2, 0.0)  # fp32, as the kernels round it
+    probs = torch.exp2(fused_exponent(scores, reference, scale_log2))
+    row_sum = probs.sum(-1, keepdim=True)
+    seen = row_sum > 0
+    out = torch.where(seen, (probs.to(dtype).float() @ vh) / row_sum.clamp_min(1e-38), 0.0).to(dtype)
+    # The LSE is kept in natural log (flash-attn's softmax_lse) and turned back into base 2 for the
+    # backward, fp32 each way; +inf for a row that saw no key, so that its probabilities are 0.
+    lse = torch.where(seen, (reference + torch.log2(row_sum.clamp_min(1e-38))) * math.log(2.0), -math.inf)
+    if dout is None:
+        return out.transpose(1, 2), lse.squeeze(-1)
+    lse2 = torch.where(seen, lse / math.log(2.0), math.inf)
+    scores = fp32_scores(low[0], low[1], split=2).masked_fill(hidden, -math.inf)  # recomputed
+    probs = torch.exp2(fused_exponent(scores, lse2, scale_log2))
+    do = dout.to(dtype).transpose(1, 2).float()
+    dsum = (do * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (do @ vh.transpose(-1, -2) - dsum)
+    heads_kv = k.shape[2]
+    dv = fold_heads(probs.to(dtype).float().transpose(-1, -2) @ do, heads_kv)
+    dk = fold_heads(scale * (dscores.to(dtype).float().transpose(-1, -2) @ qh), heads_kv)
+    dq = (scale * (dscores.to(dtype).float() @ kh)).transpose(1, 2)
+    return out.transpose(1, 2), lse.squeeze(-1), [g.to(dtype) for g in (dq, dk, dv)]
+
+
+def bar(factor, low_errors, atol):
+    """factor x the larger of the low-precision errors, + atol. A low-precision computation that
+    overflowed (torch's fp16 scores past 65504) measures nothing and is left out."""
+    finite = [e for e in low_errors if math.isfinite(e)]
+    return factor * max(finite, default=0.0) + atol
+
+
+def max_error(got, ref, where=None):
+    diff = (got.to(REFERENCE) - ref.to(REFERENCE)).abs()
+    if where is not None:
+        diff = diff[where]
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def forward_errors(out, lse, q, k, v, causal, scale=None):
+    """{name: (fagen's max error, torch math's, the flash recurrence's)} for out and lse, or
+    {name: message} for what is malformed or not finite; lse may be None."""
+    scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
+    ref_out, ref_lse = attention_math(q, k, v, causal, scale, REFERENCE)
+    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype)
+    flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        return {"out": f"shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"}
+    if not torch.isfinite(out).all():
+        return {"out": "not finite (unwritten or bad math)"}
+    errors = {"out": (max_error(out, ref_out), max_error(low_out, ref_out), max_error(flash_out, ref_out))}
+    if lse is None:
+        return errors
+    finite = torch.isfinite(ref_lse)
+    if lse.shape != (q.shape[0], q.shape[2], q.shape[1]) or lse.dtype != torch.float32:
+        errors["lse"] = f"shape {tuple(lse.shape)} {lse.dtype}"
+    elif lse.isnan().any() or not torch.equal(torch.isfinite(lse), finite) or not (lse[~finite] == -math.inf).all():
+        errors["lse"] = "NaN, or its finite / -inf pattern differs from the reference"
+    elif finite.any():
+        errors["lse"] = (max_error(lse, ref_lse, finite), max_error(low_lse, ref_lse, finite),
+                         max_error(flash_lse, ref_lse, finite))
+    return errors
+
+
+def gradient_errors(grads, q, k, v, dout, causal, scale=None):
+    """forward_errors' form for dq, dk, dv; a None gradient is not checked."""
+    scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
+    _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE)
+    _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype)
+    _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout)
+    errors = {}
+    for name, g, r, lo, fl, t in zip(("dq", "dk", "dv"), grads, ref, low, flash, (q, k, v)):
+        if g is None:
+            continue
+        if g.shape != t.shape or g.dtype != t.dtype:
+            errors[name] = f"shape {tuple(g.shape)} {g.dtype}, expected {tuple(t.shape)} {t.dtype}"
+        elif not torch.isfinite(g).all():
+            errors[name] = f"{(~torch.isfinite(g)).sum().item()} entries not finite (the reference's are finite)"
+        else:
+            errors[name] = (max_error(g, r), max_error(lo, r), max_error(fl, r))
+    return errors
+
+
+RULES = {"out": (2, OUT_ATOL), "lse": (2, LSE_ATOL), "dq": (3, GRAD_ATOL), "dk": (3, GRAD_ATOL), "dv": (3, GRAD_ATOL)}
+
+
+def failures_of(errors):
+    """The rule applied to forward_errors / gradient_errors: one message per failing output."""
+    failures = []
+    for name, found in errors.items():
+        if isinstance(found, str):
+            failures.append(f"{name}: {found}")
+            continue
+        factor, atol = RULES[name]
+        limit = bar(factor, found[1:], atol)
+        if found[0] > limit:
+            failures.append(f"{name}: max error {found[0]:.3e} > bar {limit:.3e} (torch math {found[1]:.3e}, "
+                            f"flash recurrence {found[2]:.3e})")
+    return failures
+
+
+def forward_failures(out, lse, q, k, v, causal, scale=None):
+    """What of fagen's out and LSE breaks the rule (empty: it passes); lse may be None."""
+    return failures_of(forward_errors(out, lse, q, k, v, causal, scale))
+
+
+def gradient_failures(grads, q, k, v, dout, causal, scale=None):
+    """What of fagen's (dq, dk, dv) breaks the rule; a None gradient is not checked."""
+    return failures_of(gradient_errors(grads, q, k, v, dout, causal, scale))

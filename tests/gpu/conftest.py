@@ -14,3 +14,4 @@ def bundle():
     if not (path / "manifest.json").is_file():
         pytest.skip(f"no fagen bundle at {path}: set FAGEN_BUNDLE or run `fagen build`")
     return get_bundle(path)
+
