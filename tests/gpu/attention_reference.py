@@ -4,8 +4,8 @@ The reference is attention computed in fp64. An output passes when its max error
 (a gradient: 3x) the larger error of two low-precision computations by plain torch, plus a tiny
 atol:
 - `attention_math` in the low dtype: the explicit softmax, and torch's autograd through it;
-- `flash_recurrence`: FlashAttention's own arithmetic in torch: scores accumulated in fp32 (on
-  the tensor cores where torch can), fp32 row statistics, the exponent rounded as one fused
+- `flash_recurrence`: FlashAttention's own arithmetic in torch: scores summed in fp32, fp32 row
+  statistics, the exponent rounded as one fused
   multiply-add rounds it, P rounded to the low dtype where it is a matrix operand, the natural-log
   LSE, and a backward that recomputes the scores (in another summation order) and P from that
   LSE, with D = rowsum(dO * O) from the output rounded to the low dtype.
@@ -80,18 +80,12 @@ def fused_exponent(scores, subtrahend, scale_log2):
 
 
 def fp32_scores(qh, kh, split=1):
-    """Q K^T of 16-bit operands accumulated in fp32 on the tensor cores, as the kernels form it,
-    where torch offers 16-bit products with an fp32 result (`out_dtype`); else in IEEE fp32. The
-    tensor cores align each group of products to its largest and truncate, so with outliers their
-    sums lose more than an fp32 FMA chain. `split` > 1 sums the head dim in that many parts: the
-    other summation order of a backward that recomputes the scores."""
-    parts = zip(qh.chunk(split, dim=-1), kh.chunk(split, dim=-1))
+    """Q K^T of 16-bit operands, summed in IEEE fp32 (torch 2.11 has no 16-bit matmul with an fp32
+    result, which would sum on the tensor cores as the kernels do). `split` > 1 sums the head dim
+    in that many parts: the other summation order of a backward that recomputes the scores."""
     total = None
-    for a, b in parts:
-        try:
-            part = torch.matmul(a, b.transpose(-1, -2), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            part = a.float() @ b.float().transpose(-1, -2)
+    for a, b in zip(qh.chunk(split, dim=-1), kh.chunk(split, dim=-1)):
+        part = a.float() @ b.float().transpose(-1, -2)
         total = part if total is None else total + part
     return total
 
