@@ -165,9 +165,9 @@ def smaller(case: Case):
         yield dataclasses.replace(case, deterministic=False)
 
 
-def shrink(case: Case, bundle, budget: int = 40) -> tuple[Case, list[str]]:
-    """A smallest case that still fails, found greedily in at most `budget` calls."""
-    failures = run_case(case, bundle)
+def shrink(case: Case, failures: list[str], bundle, budget: int = 40) -> tuple[Case, list[str]]:
+    """A smallest case that still fails (`case` fails with `failures`), found greedily in at most
+    `budget` calls."""
     progress = True
     while progress and budget > 0:
         progress = False
@@ -216,7 +216,7 @@ def test_randomized_differential(bundle, request):
             failed.append((case, failures))
     report = [f"{ran} cases from seed {first} in {time.monotonic() - start:.0f} s, {len(failed)} failed"]
     for case, failures in failed[:3]:  # shrinking costs calls: the first few
-        small, small_failures = shrink(case, bundle)
+        small, small_failures = shrink(case, failures, bundle)
         report.append(f"case {case.seed}: {'; '.join(failures)}\n  shrunk: {'; '.join(small_failures)}\n"
                       f"  {small.replay()}")
     for case, failures in failed[3:]:
