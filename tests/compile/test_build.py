@@ -224,9 +224,10 @@ def test_fa3_softmax_overlaps_the_previous_pv(kernel_cache, tmp_path):
         exp2_per_thread = entry.spec["tile"]["block_n"] // 2  # 64 x block_n scores, 128 threads
         stretches = sorted(_exp2_between_mma_waits(sass), reverse=True)
         # early_first_qk adds one stretch without a softmax: the epilogue, under the next
-        # tile's first Q K^T.
+        # tile's first Q K^T, whose only exponentials are finalize()'s P_top (one per row, two
+        # rows per thread; algo/online_softmax.cuh).
         if entry.spec["tile"].get("early_first_qk"):
-            assert stretches[-1] == 0, (entry.name, stretches)
+            assert stretches[-1] <= 2, (entry.name, stretches)
             stretches = stretches[:-1]
         assert stretches and min(stretches) >= exp2_per_thread, (entry.name, stretches)
         # A masked score is a select of -inf: peel_masked_blocks leaves none in the main loop;
@@ -234,12 +235,13 @@ def test_fa3_softmax_overlaps_the_previous_pv(kernel_cache, tmp_path):
         main_loop = _main_loop(sass)
         masks_in_loop = any("FSEL" in op and "-INF" in op for op in main_loop)
         assert masks_in_loop != bool(entry.spec["tile"].get("peel_masked_blocks")), entry.name
-        # mma_row_sum: P V runs over head_dim + 8 columns and the softmax adds nothing up; the
-        # other kernels add each probability to their row sum (one FADD per score).
+        # mma_row_sum: P V runs over head_dim + 8 columns and the softmax adds nothing up (the
+        # only FADDs are the rescale's exponent m2_old - m2_new, one per row: two per thread);
+        # the other kernels add each probability to their row sum (one FADD per score).
         head_dim = entry.spec["head_dim"]
         adds = sum(" FADD " in f" {op} " for op in main_loop)
         if entry.spec["tile"].get("mma_row_sum"):
             assert any(f"HGMMA.64x{head_dim + 8}x16" in op for op in main_loop), entry.name
-            assert adds == 0, (entry.name, adds)
+            assert adds <= 2, (entry.name, adds)
         else:
             assert adds >= exp2_per_thread, (entry.name, adds)

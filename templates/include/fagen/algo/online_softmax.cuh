@@ -2,9 +2,21 @@
 // deferred to the end (FlashAttention-2, section 3.1.1).
 //
 // For each row the state is the running maximum m of the raw scores and a thread-partial sum
-// l of exp2(s * scale_log2 - m * scale_log2). A new block of scores rescales l and the output
-// accumulator by exp2((m_old - m_new) * scale_log2) and replaces the scores by probabilities;
-// at the end O / l is exact and LSE = (m * scale_log2 + log2 l) * ln 2.
+// l of exp2(s * scale_log2 - m2), m2 = fl(m * scale_log2) (algo/lse.cuh). A new block of scores
+// rescales l and the output accumulator by exp2(m2_old - m2_new) and replaces the scores by
+// probabilities; at the end O / l is exact and LSE = (m2 + log2 l) * ln 2.
+//
+// P V multiplies P rounded to 16 bits, l sums it unrounded. Where one key dominates a row its P
+// is 2^r (r: the rounding of m2, algo/lse.cuh), so O = round16(2^r) V / 2^r: an ulp off V's row at
+// large scores, and that ulp became D - dP != 0 in the backward, hence dQ = scale * dS K errors
+// proportional to |K| (10-100x past the bar with inputs x16 and outliers). So O is divided by
+// l + round16(P_top) - P_top, P_top the probability of the key at the final reference maximum,
+// recomputed in finalize() (its block set the reference, so it got exactly that exponent, and
+// every later rescale of it was exp2(0) = 1): O is exact for that key as P V saw it, which is V's
+// row where it dominates. The LSE keeps l, whose 2^r is the one the exponents carry. Once per
+// row, not per score: an FFMA, an exponential and a conversion (one FMUL per score instead cost
+// the hd64 forward 3-5 %, 2026-12-01). With conditional rescaling the reference may lag the
+// maximum, so there each block's largest probability is corrected as it goes (row_rounding).
 //
 // Fully masked rows keep m = -inf. Using 0 as the subtrahend then keeps every exponent -inf
 // (probability 0) instead of NaN from (-inf) - (-inf).
@@ -49,13 +61,16 @@ __device__ __forceinline__ ReferenceMax next_reference_max(float reference, floa
         // always taken. Both -inf: NaN compares false and the row stays empty.
         if (!((block_max - reference) * scale_log2 > threshold)) return {reference, 1.f};
     }
-    const float new_scaled = block_max == neg_inf() ? 0.f : block_max * scale_log2;
-    return {block_max, ptx::ex2_approx_ftz(reference * scale_log2 - new_scaled)};
+    // exp2(m2_old - m2_new), each m2 the rounding the exponents used (not an FMA, whose exact
+    // reference * scale_log2 would put the old m2's rounding into the LSE); an empty row's old
+    // reference, -inf, gives a factor of 0 for its O and l of 0.
+    const float new_scaled = block_max == neg_inf() ? 0.f : __fmul_rn(block_max, scale_log2);
+    return {block_max, ptx::ex2_approx_ftz(__fmul_rn(reference, scale_log2) - new_scaled)};
 }
 
 // The subtrahend of the exponent for scores against `reference` (0 for an empty row).
 __device__ __forceinline__ float reference_scaled(float reference, float scale_log2) {
-    return reference == neg_inf() ? 0.f : reference * scale_log2;
+    return reference == neg_inf() ? 0.f : __fmul_rn(reference, scale_log2);
 }
 
 // A finished row's natural-log LSE from its reference maximum and its (complete) sum: -inf for a
@@ -64,15 +79,30 @@ __device__ __forceinline__ float row_lse(float reference, float sum, float scale
     return natural_lse(reference_scaled(reference, scale_log2), sum);
 }
 
+// round16(P) - P for the probability of score `top` against `subtrahend`, computed as the
+// softmax computed it (0 for a row that sees nothing). With exp2 emulation that key may have had
+// the polynomial instead (8.6e-5 relative): the correction then carries that difference, far
+// below the 16-bit rounding it corrects.
+template <class Ops>
+__device__ __forceinline__ float operand_rounding(float top, float scale_log2, float subtrahend) {
+    const float p = ptx::ex2_approx_ftz(fmaf(top, scale_log2, -subtrahend));
+    return Ops::round(p) - p;
+}
+
 // What a finished row's output is multiplied by: 1 / sum, and 0 for a row that saw no key.
 __device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
 // kM row-pair tiles -> 2*kM rows per thread.
-template <int kM, class Options = DefaultSoftmaxOptions, bool kSumInOutput = false>
+// Ops: the P operand's element operations (fa2/element.cuh: round).
+template <int kM, class Ops, class Options = DefaultSoftmaxOptions, bool kSumInOutput = false>
 struct OnlineSoftmax {
+    static constexpr bool kCorrectEachBlock = Options::kConditionalRescale && !kSumInOutput;
     float row_max[kM][2];
     float row_sum[kM][2];  // partial: this thread's columns only, reduced in finalize(); unused
-                           // with kSumInOutput
+                           // with kSumInOutput (its sum is of the rounded P already)
+    // With kConditionalRescale only: round16(P) - P of each block's largest probability, rescaled
+    // with l; the same on the row's four threads.
+    float row_rounding[kM][2];
 
     __device__ __forceinline__ void init() {
 #pragma unroll
@@ -81,6 +111,7 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 row_max[m][h] = neg_inf();
                 row_sum[m][h] = 0.f;
+                row_rounding[m][h] = 0.f;
             }
         }
     }
@@ -96,15 +127,15 @@ struct OnlineSoftmax {
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float block_max = row_max[m][h];
+                float own_max = neg_inf();  // this block's, without the reference
 #pragma unroll
                 for (int n = 0; n < kNS; ++n) {
-                    block_max = fmaxf(block_max, fmaxf(scores[m][n][2 * h], scores[m][n][2 * h + 1]));
+                    own_max = fmaxf(own_max, fmaxf(scores[m][n][2 * h], scores[m][n][2 * h + 1]));
                 }
-                block_max = quad_max(block_max);
-                // block_max and row_max are equal across the quad, so is the decision.
+                own_max = quad_max(own_max);
+                // own_max and row_max are equal across the quad, so is the decision.
                 const ReferenceMax next = next_reference_max<Options::kConditionalRescale>(
-                    row_max[m][h], block_max, scale_log2, Options::kRescaleThreshold);
+                    row_max[m][h], fmaxf(row_max[m][h], own_max), scale_log2, Options::kRescaleThreshold);
                 rescale[m][h] = next.rescale;
                 row_max[m][h] = next.value;
                 const float max_scaled = reference_scaled(next.value, scale_log2);
@@ -120,6 +151,10 @@ struct OnlineSoftmax {
                     }
                 }
                 if constexpr (!kSumInOutput) row_sum[m][h] = row_sum[m][h] * rescale[m][h] + sum;
+                if constexpr (kCorrectEachBlock) {
+                    row_rounding[m][h] = row_rounding[m][h] * rescale[m][h] +
+                                         operand_rounding<Ops>(own_max, scale_log2, max_scaled);
+                }
             }
         }
     }
@@ -166,7 +201,14 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 // Both columns of the sum tile a thread holds carry its row's sum.
                 const float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
-                const float inv = inverse_row_sum(sum);
+                float divisor = sum;
+                if constexpr (kCorrectEachBlock) {
+                    divisor += row_rounding[m][h];
+                } else if constexpr (!kSumInOutput) {
+                    divisor += operand_rounding<Ops>(row_max[m][h], scale_log2,
+                                                     reference_scaled(row_max[m][h], scale_log2));
+                }
+                const float inv = inverse_row_sum(divisor);
                 lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
 #pragma unroll
                 for (int n = 0; n < kNO; ++n) {

@@ -371,7 +371,7 @@ struct Backward {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int query = warp_query + algo::fragment_coord(lane, m, n, i).col;
-                        acc_s[m][n][i] = ptx::ex2_approx_ftz(fmaf(acc_s[m][n][i], p.scale_log2, -lse[query]));
+                        acc_s[m][n][i] = ptx::ex2_approx_ftz(algo::backward_exponent(acc_s[m][n][i], p.scale_log2, lse[query]));
                     }
             if (needs_mask) {
 #pragma unroll

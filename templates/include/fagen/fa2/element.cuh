@@ -21,6 +21,8 @@ struct ElementOps<__nv_bfloat16> {
     static __device__ __forceinline__ float2 unpack(uint32_t pair) {
         return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
     }
+    // x as a matrix operand holds it (round to nearest, as pack).
+    static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
         ptx::mma_sync_m16n8k16_f32_bf16(d, a, b);
@@ -36,6 +38,7 @@ struct ElementOps<__half> {
     static __device__ __forceinline__ float2 unpack(uint32_t pair) {
         return __half22float2(*reinterpret_cast<const __half2*>(&pair));
     }
+    static __device__ __forceinline__ float round(float x) { return __half2float(__float2half_rn(x)); }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
         ptx::mma_sync_m16n8k16_f32_f16(d, a, b);

@@ -123,7 +123,7 @@ struct Forward {
 
         float acc_o[kMTiles][kOTiles][4];
         algo::clear_fragment(acc_o);
-        algo::OnlineSoftmax<kMTiles, Config> softmax;  // Config carries the softmax options
+        algo::OnlineSoftmax<kMTiles, Ops, Config> softmax;  // Config carries the softmax options
         softmax.init();
 
         for (int j = 0; j < n_blocks; ++j) {

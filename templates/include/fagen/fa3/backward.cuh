@@ -387,7 +387,8 @@ struct Backward {
             const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                acc[n][i] = ptx::ex2_approx_ftz(fmaf(acc[n][i], scale_log2, -(i & 1 ? lse_pair.y : lse_pair.x)));
+                acc[n][i] = ptx::ex2_approx_ftz(
+                    algo::backward_exponent(acc[n][i], scale_log2, i & 1 ? lse_pair.y : lse_pair.x));
             }
         }
     }

@@ -111,7 +111,7 @@ struct Forward {
     };
 
     using Scheduler = algo::TileScheduler<Config::kCausal, true>;
-    using Softmax = algo::OnlineSoftmax<1, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
+    using Softmax = algo::OnlineSoftmax<1, Ops, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
 
     using Work = algo::TileWork;
 

@@ -227,6 +227,7 @@ struct Forward {
         const int key_end = mask.key_end(w.row_begin + row);
         float reference = algo::neg_inf();
         float row_sum = 0.f;
+        float row_rounding = 0.f;  // algo/online_softmax.cuh: l_round
 
         for (int j = 0; j < w.n_blocks; ++j) {
             const int buffer = j & 1;
@@ -252,11 +253,11 @@ struct Forward {
                     if (n_block * kBlockN + c >= key_end) scores[c] = algo::neg_inf();
                 }
             }
-            float block_max = reference;
+            float own_max = algo::neg_inf();
 #pragma unroll
-            for (int c = 0; c < kBlockN; ++c) block_max = fmaxf(block_max, scores[c]);
+            for (int c = 0; c < kBlockN; ++c) own_max = fmaxf(own_max, scores[c]);
             const algo::ReferenceMax next = algo::next_reference_max<Config::kConditionalRescale>(
-                reference, block_max, prm.scale_log2, Config::kRescaleThreshold);
+                reference, fmaxf(reference, own_max), prm.scale_log2, Config::kRescaleThreshold);
             store_shared_f32(s.row_scale(buffer) + row * 4, next.rescale);
             ptx::mbarrier_arrive(s.barrier(kScaleFull0 + buffer));
             reference = next.value;
@@ -279,12 +280,13 @@ struct Forward {
                 ptx::tcgen05_st_32x32b_x16(tmem_s + c * 16, packed);
             }
             row_sum = row_sum * next.rescale + sum;
+            row_rounding = row_rounding * next.rescale + algo::operand_rounding<Ops>(own_max, prm.scale_log2, subtrahend);
             ptx::tcgen05_wait_st();
             ptx::tcgen05_fence_before_thread_sync();
             ptx::mbarrier_arrive(s.barrier(kPFull0 + buffer));
         }
 
-        store_shared_f32(s.row_sum() + row * 4, row_sum);
+        store_shared_f32(s.row_sum() + row * 4, row_sum + row_rounding);  // what O is divided by
         ptx::mbarrier_arrive(s.barrier(kStatsFull));
         const int rows_valid = prm.seqlen_q - w.row_begin;
         float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
