@@ -12,7 +12,10 @@ tiny atol:
   natural-log LSE, and a backward that recomputes the scores (in another summation order) and P
   from that LSE, with D = rowsum(dO * O) from the output rounded to the low dtype.
 - `torch_flash`: torch's own FlashAttention-2 kernel (aten's `_flash_attention_forward` and
-  `_backward`, what SDPA's flash backend runs), where torch has it for the inputs.
+  `_backward`, what SDPA's flash backend runs), where torch has it for the inputs;
+and for a gradient whose forward output is known (`gradient_errors(..., out)`), the recurrence's
+backward with D from that output: its rounding is the forward's, checked by the forward's rule,
+and may fall one way in fagen's forward and the other in the computations above.
 The second is needed where one key dominates a row (few keys, large scores): there torch's
 softmax gives P = 1 exactly and its backward dS = 1 * (g - g) = 0 exactly, an exactness that no
 FlashAttention kernel has: its exponents carry fp32 roundings at the scores' magnitude (an ulp
@@ -107,10 +110,11 @@ def fp32_scores(qh, kh, split=1):
     return total
 
 
-def flash_recurrence(q, k, v, causal, scale, dtype, dout=None):
+def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None):
     """FlashAttention's arithmetic by plain torch in fp32 with `dtype` operands (the module's
     docstring). Returns out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is given,
-    each in `dtype` (the LSE in fp32)."""
+    each in `dtype` (the LSE in fp32). `given_out` (b, sq, h, d): the backward's D from that
+    output instead of its own."""
     low = heads_first(q, k, v, dtype)
     qh, kh, vh = (t.float() for t in low)
     scale_log2 = torch.tensor(contract.kernel_scale_log2(scale, q.shape[-1]), dtype=torch.float32).item()
@@ -133,7 +137,8 @@ def flash_recurrence(q, k, v, causal, scale, dtype, dout=None):
     scores = fp32_scores(low[0], low[1], split=2).masked_fill(hidden, -math.inf)  # recomputed
     probs = torch.exp2(backward_exponent(scores, lse2, scale_log2))
     do = dout.to(dtype).transpose(1, 2).float()
-    dsum = (do * out.float()).sum(-1, keepdim=True)
+    d_from = out if given_out is None else given_out.to(dtype).transpose(1, 2)
+    dsum = (do * d_from.float()).sum(-1, keepdim=True)
     dscores = probs * (do @ vh.transpose(-1, -2) - dsum)
     heads_kv = k.shape[2]
     dv = fold_heads(probs.to(dtype).float().transpose(-1, -2) @ do, heads_kv)
@@ -210,16 +215,20 @@ def forward_errors(out, lse, q, k, v, causal, scale=None):
     return errors
 
 
-def gradient_errors(grads, q, k, v, dout, causal, scale=None):
-    """forward_errors' form for dq, dk, dv; a None gradient is not checked."""
+def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None):
+    """forward_errors' form for dq, dk, dv, with one more computation where `out`, the forward
+    output the backward under test was given, is known: the recurrence's backward with D from it;
+    a None gradient is not checked."""
     scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
     _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE)
     _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype)
     _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout)
     kernel = torch_flash(q, k, v, causal, scale, dout.to(q.dtype))
     kernel_grads = kernel[2] if kernel else [None] * 3
+    given = flash_recurrence(q, k, v, causal, scale, q.dtype, dout, out)[2] if out is not None else [None] * 3
     errors = {}
-    for name, g, r, lo, fl, kg, t in zip(("dq", "dk", "dv"), grads, ref, low, flash, kernel_grads, (q, k, v)):
+    for name, g, r, lo, fl, kg, gv, t in zip(("dq", "dk", "dv"), grads, ref, low, flash, kernel_grads, given,
+                                             (q, k, v)):
         if g is None:
             continue
         if g.shape != t.shape or g.dtype != t.dtype:
@@ -228,7 +237,8 @@ def gradient_errors(grads, q, k, v, dout, causal, scale=None):
             errors[name] = f"{(~torch.isfinite(g)).sum().item()} entries not finite (the reference's are finite)"
         else:
             errors[name] = (max_error(g, r), max_error(lo, r), max_error(fl, r),
-                            max_error(kg, r) if kg is not None else math.nan, max_error(r.to(t.dtype), r))
+                            max_error(kg, r) if kg is not None else math.nan, max_error(r.to(t.dtype), r),
+                            max_error(gv, r) if gv is not None else math.nan)
     return errors
 
 
@@ -247,7 +257,8 @@ def failures_of(errors):
         if found[0] > limit:
             failures.append(f"{name}: max error {found[0]:.3e} > bar {limit:.3e} (torch math {found[1]:.3e}, "
                             f"flash recurrence {found[2]:.3e}, torch's flash kernel {found[3]:.3e}, "
-                            f"the reference rounded {found[4]:.3e})")
+                            f"the reference rounded {found[4]:.3e}"
+                            + (f", the recurrence from fagen's output {found[5]:.3e})" if len(found) > 5 else ")"))
     return failures
 
 

@@ -141,7 +141,8 @@ def run_case(case: Case, bundle) -> list[str]:
     got = torch.autograd.grad(out, inputs, dout)
     torch.cuda.synchronize()
     grads = list(got) + [None] * (3 - len(got))
-    errors.update(gradient_errors(grads, q.detach(), k.detach(), v.detach(), dout, case.causal, case.softmax_scale))
+    errors.update(gradient_errors(grads, q.detach(), k.detach(), v.detach(), dout, case.causal, case.softmax_scale,
+                                  out.detach()))
     log = os.environ.get("FAGEN_DIFFERENTIAL_LOG")
     if log:  # every case's errors, one JSON line each: the data behind the rule's margins
         with open(log, "a") as f:
