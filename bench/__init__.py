@@ -1,1 +1,16 @@
-"""Benchmarks: `python -m bench.attention`, `python -m bench.cold_start`."""
+"""Benchmarks: `python -m bench.attention`, `python -m bench.cold_start`,
+`python -m bench.launch_overhead`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def cuda_missing(tool: str) -> bool:
+    """True, after one line on stderr, where torch sees no CUDA device (the caller exits 2)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{tool}: needs a CUDA device (torch {torch.__version__} sees none)", file=sys.stderr)
+    return True

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fagen
+from bench import cuda_missing
 from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -288,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             args.head_dims = [64, 128]
         return lineage.main(args)
 
-    if not torch.cuda.is_available():
-        print("fagen bench: needs a CUDA device", file=sys.stderr)
+    if cuda_missing("bench.attention"):
         return 2
     bundle = get_bundle(args.bundle)
     baseline = get_bundle(args.baseline) if args.baseline else None

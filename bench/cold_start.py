@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from bench import cuda_missing
+
 VARIANTS = (
     {"name": "fagen hd128 causal", "impl": "fagen", "head_dim": 128, "causal": True},
     {"name": "fagen hd96 causal", "impl": "fagen", "head_dim": 96, "causal": True},
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(args.child), args.bundle)))
         return 0
 
+    if cuda_missing("bench.cold_start"):
+        return 2
     results, failed = [], False
     for variant in VARIANTS:
         command = [sys.executable, "-m", "bench.cold_start", "--child", json.dumps(variant)]

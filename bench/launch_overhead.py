@@ -23,6 +23,7 @@ import time
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from bench import cuda_missing
 from bench.attention import PEERS, sdpa
 from fagen.torch import flash_attn_func, get_bundle
 
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", help="write fagen's cProfile top entries here")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
+    if cuda_missing("bench.launch_overhead"):
+        return 2
     bundle = get_bundle(args.bundle)
     q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     contenders = {"fagen": (lambda: flash_attn_func(q, k, v, causal=True, bundle=bundle), None)}

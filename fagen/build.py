@@ -146,19 +146,24 @@ def _compile_all(
             for i, r in enumerate(rendered)
         }
         pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()
-                index = futures[future]
-                results[index] = future.result()
-                if progress is not None:
-                    kernel, cached = results[index]
-                    progress(_kernel_build(rendered[index].spec, kernel, cached),
-                             sum(r is not None for r in results), len(rendered))
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    if future.exception() is not None:
+                        raise future.exception()
+                    index = futures[future]
+                    results[index] = future.result()
+                    if progress is not None:
+                        kernel, cached = results[index]
+                        progress(_kernel_build(rendered[index].spec, kernel, cached),
+                                 sum(r is not None for r in results), len(rendered))
+        except BaseException:
+            # A failure or Ctrl-C (KeyboardInterrupt reaches this thread, inside wait()): drop
+            # the queue, so that leaving the pool waits only for the compiles already running
+            # (an NVRTC call cannot be stopped halfway; letting it end leaves no temporary files).
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return results
 
 

@@ -77,6 +77,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress.update(task, completed=done, description=kernel.name)
 
             report = build_bundle(expansion, out_dir, jobs=args.jobs, progress=advance)
+    except KeyboardInterrupt:
+        fail(f"interrupted: {out_dir} left as it was (the kernels compiled so far are cached)")
+        return 130  # the shell's code for a command ended by SIGINT
     except CompileError as exc:
         detail = exc.log_excerpt()
         return fail(str(exc), f"--- NVRTC/ptxas log ---\n{detail}" if detail else "")

@@ -1,6 +1,13 @@
 """Stage 6: the torch adapter (flash-attn's calling convention on fagen bundles): the forward
 (adapter.py), its backward and autograd (backward.py), and the public call (api.py)."""
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as error:  # the build path needs no torch, so a plain install has none
+    raise ModuleNotFoundError(
+        "fagen.torch needs PyTorch: pip install torch, or pip install 'fagen[torch]'",
+        name="torch") from error
+
 from ..runtime import Bundle, BundleError, KernelNotFound
 from .adapter import bundle_path, flash_attn_fwd, get_bundle, kernel_key
 from .api import flash_attn_func

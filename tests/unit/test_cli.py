@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -379,3 +380,44 @@ def test_cache_clear_options_are_exclusive(caches, capsys):
     with pytest.raises(SystemExit) as info:
         main(["cache", "clear", "--kernels", "--bundles"])
     assert info.value.code == 2
+
+
+# ---- Ctrl-C ----
+
+def test_ctrl_c_during_a_build_stops_the_queue(monkeypatch, tmp_path):
+    from fagen import build
+
+    started = []
+
+    def slow_compile(rendered, source_dir, options, cache):
+        started.append(rendered)
+        time.sleep(0.2)
+        return None, True
+
+    def interrupted_wait(*args, **kwargs):  # Ctrl-C reaches the main thread inside wait()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "_build_one", slow_compile)
+    monkeypatch.setattr(build, "wait", interrupted_wait)
+    from fagen.spec import Arch
+
+    arch = Arch("sm90")
+    rendered = [types.SimpleNamespace(spec=types.SimpleNamespace(arch=arch)) for _ in range(40)]
+    begin = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        build._compile_all(rendered, {arch: None}, tmp_path, 2, None, None)
+    # Only the compiles already running finish (two jobs); the other 38 never start.
+    assert len(started) <= 2 and time.monotonic() - begin < 1.0, (len(started), time.monotonic() - begin)
+
+
+def test_ctrl_c_during_a_build_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys):
+    from fagen import build
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "build_bundle", interrupted)
+    code, _, err = run(capsys, "build", CI_SMALL, "-o", tmp_path / "bundle")
+    assert code == 130
+    assert one_error(err) == (f"error: interrupted: {tmp_path / 'bundle'} left as it was (the kernels "
+                              "compiled so far are cached)")
