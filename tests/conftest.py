@@ -2,6 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_CACHE_ROOT = pytest.StashKey[Path]()
+
+
+def pytest_configure(config):
+    """The suite's caches (kernels, NVRTC's headers, the bundle writers' lock files, unpacked
+    bundles) live in a directory of the session's own, removed at its end, not in the user's;
+    a FAGEN_CACHE or FAGEN_BUNDLE_CACHE the caller set is used as given."""
+    root = Path(tempfile.mkdtemp(prefix="fagen-tests-"))
+    config.stash[_CACHE_ROOT] = root
+    os.environ.setdefault("FAGEN_CACHE", str(root / "cache"))
+    os.environ.setdefault("FAGEN_BUNDLE_CACHE", str(root / "bundles"))
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config.stash[_CACHE_ROOT], ignore_errors=True)
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("fagen differential test (tests/gpu/test_differential.py)")

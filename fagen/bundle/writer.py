@@ -68,11 +68,17 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# Lock files are never deleted (unlinking one that another process waits on would let two
+# writers in), so the paths share a fixed number of them: writes of two bundles that land in
+# the same slot take turns, which costs nothing but a rare wait.
+LOCK_SLOTS = 16
+
+
 def _lock_path(out_dir: Path) -> Path:
     """Where writes of `out_dir` take turns: in the machine's fagen cache, so that nothing but
     the bundle appears beside it."""
-    digest = hashlib.sha256(os.fsencode(out_dir)).hexdigest()[:24]
-    return paths.cache_root() / "locks" / f"{out_dir.name}-{digest}.lock"
+    slot = int(hashlib.sha256(os.fsencode(out_dir)).hexdigest(), 16) % LOCK_SLOTS
+    return paths.cache_root() / "locks" / f"bundle-{slot:02d}.lock"
 
 
 def _remove_leftovers(out_dir: Path) -> None:

@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("bundle", metavar="DIR", help="bundle directory")
     pack.add_argument("-o", "--output", metavar="FILE",
                       help="packed file: .tar, .tar.gz/.tgz or .tar.zst (Python >= 3.14) "
-                      "(default: <bundle name>.tar.gz)")
+                      "(default: <bundle name>.tar.gz beside DIR)")
     pack.set_defaults(handler=cmd_pack)
 
     verify = commands.add_parser(

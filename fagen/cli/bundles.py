@@ -119,7 +119,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     out_file = None
     try:
         manifest = read_manifest(bundle_dir)
-        out_file = Path(args.output) if args.output else Path(f"{manifest.bundle}.tar.gz")
+        # Beside the bundle, not in whatever directory the command ran from.
+        out_file = Path(args.output) if args.output else bundle_dir.parent / f"{manifest.bundle}.tar.gz"
         if out_file.is_dir():
             return fail(f"{out_file} is a directory; give -o the packed file's name, e.g. "
                         f"{out_file / (manifest.bundle + '.tar.gz')}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -153,6 +154,9 @@ class KernelSpec(BaseModel):
     # Per algorithm (subclasses): the template, the targets, the SASS every cubin must contain.
     FA_VERSION: ClassVar[int]
     DIRECTION: ClassVar[str]
+    # Why no tile of the algorithm can take a head_dim (None where some can): its module's
+    # head_dim_problem, which its geometry's problems() reports too.
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]]
     TEMPLATE: ClassVar[str]  # path under templates/kernels/
     ARCHS: ClassVar[tuple[Arch, ...]]
     WHY_ARCHS: ClassVar[str]
@@ -204,16 +208,22 @@ class KernelSpec(BaseModel):
             return data  # a field missing or malformed: field validation names it
         # A field's own limit comes first: the tuning table's "give the tile explicitly" would
         # mislead where no tile can work.
-        if problem := contract.head_dim_problem(head_dim):
+        if problem := cls.head_dim_problem(head_dim):
             raise ValueError(problem)
         cls._check_arch(arch)
         tile = resolve_tile(cls, arch, head_dim, causal, data.get("max_seqlen_k"))
         return {**data, "tile": tile.model_dump()}
 
+    @classmethod
+    def head_dim_problem(cls, head_dim: int) -> str | None:
+        """Why no tile of this algorithm can take `head_dim` (its HEAD_DIM_RULE, which names what
+        it takes), else why no fagen kernel can; None where it can."""
+        return cls.HEAD_DIM_RULE(head_dim) or contract.head_dim_problem(head_dim)
+
     @field_validator("head_dim")
     @classmethod
     def _check_head_dim(cls, value: int) -> int:
-        if problem := contract.head_dim_problem(value):
+        if problem := cls.head_dim_problem(value):
             raise ValueError(problem)
         return value
 

@@ -9,6 +9,7 @@ beside FA2 and FA3 so that `fagen bench --lineage` can show what each generation
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -67,9 +68,8 @@ class Fa1Geometry(TileGeometry):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if self.head_dim % MMA_K:
-            out.append(f"head_dim={self.head_dim}: the FA1 template needs a multiple of {MMA_K} "
-                       "(mma.sync k-step and ldmatrix pairs)")
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.warps not in WARP_CHOICES:
             out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
         elif self.block_m != WARP_ROWS * self.warps:
@@ -87,7 +87,16 @@ class Fa1Geometry(TileGeometry):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA1 tile can take `head_dim`, or None."""
+    if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
+        return (f"head_dim={head_dim}: the FA1 template needs a multiple of {MMA_K} up to "
+                f"{contract.MAX_HEAD_DIM} (mma.sync k-step and ldmatrix pairs)")
+    return None
+
+
 class Fa1ForwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 1
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa1_fwd_sm80.cu.j2"

@@ -6,6 +6,7 @@ the same numbers to the template, which re-checks them with static_assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -80,11 +81,8 @@ class Fa2Geometry(TileGeometry):
     def problems(self, max_smem: int) -> list[str]:
         """Why this tile cannot work, one message per violated limit (empty when it fits)."""
         out: list[str] = []
-        if self.head_dim % MMA_K:
-            out.append(
-                f"head_dim={self.head_dim}: the FA2 template needs a multiple of {MMA_K} "
-                "(mma.sync k-step and ldmatrix pairs)"
-            )
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.warps not in WARP_CHOICES:
             out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
         elif self.block_m % self.warps or self.warp_rows not in WARP_ROW_CHOICES:
@@ -109,7 +107,16 @@ class Fa2Geometry(TileGeometry):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA2 forward tile can take `head_dim`, or None."""
+    if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
+        return (f"head_dim={head_dim}: the FA2 template needs a multiple of {MMA_K} up to "
+                f"{contract.MAX_HEAD_DIM} (mma.sync k-step and ldmatrix pairs)")
+    return None
+
+
 class Fa2ForwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa2_fwd_sm80.cu.j2"

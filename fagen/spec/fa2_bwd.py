@@ -8,6 +8,7 @@ re-checks them with static_assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -111,8 +112,8 @@ class Fa2BwdGeometry(TileGeometry):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if self.head_dim % MMA_K:
-            out.append(f"head_dim={self.head_dim}: the FA2 backward needs a multiple of {MMA_K}")
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.warps not in WARP_CHOICES:
             out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
         if self.warp_keys % MMA_M or self.warp_queries % MMA_M:
@@ -148,7 +149,16 @@ class Fa2BwdGeometry(TileGeometry):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA2 backward tile can take `head_dim`, or None."""
+    if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
+        return (f"head_dim={head_dim}: the FA2 backward needs a multiple of {MMA_K} up to "
+                f"{contract.MAX_HEAD_DIM}")
+    return None
+
+
 class Fa2BackwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa2_bwd_sm80.cu.j2"

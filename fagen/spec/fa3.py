@@ -9,6 +9,7 @@ re-checks them with static_assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -128,11 +129,8 @@ class Fa3Geometry(TmaRingLayout):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if self.head_dim % TMA_COLUMNS or self.head_dim not in WGMMA_N:
-            out.append(
-                f"head_dim={self.head_dim}: the FA3 template needs a multiple of {TMA_COLUMNS} "
-                f"(128-byte swizzle atoms) that is a wgmma N in {WGMMA_N}"
-            )
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.block_m % CONSUMER_ROWS or self.consumers not in CONSUMER_CHOICES:
             out.append(f"tile.block_m={self.block_m}: must be 128 or 192 (two or three consumer "
                        "warpgroups of 64 rows)")
@@ -167,7 +165,16 @@ class Fa3Geometry(TmaRingLayout):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA3 forward tile can take `head_dim`, or None."""
+    if head_dim % TMA_COLUMNS or head_dim not in WGMMA_N:
+        return (f"head_dim={head_dim}: the FA3 template needs a multiple of {TMA_COLUMNS} "
+                f"(128-byte swizzle atoms) that is a wgmma N in {WGMMA_N}")
+    return None
+
+
 class Fa3ForwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"

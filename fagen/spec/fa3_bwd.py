@@ -17,6 +17,7 @@ same numbers to the template, which re-checks them with static_assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -195,9 +196,8 @@ class Fa3BwdGeometry(TileGeometry):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if self.head_dim not in HEAD_DIMS:
-            out.append(f"head_dim={self.head_dim}: the FA3 backward takes {HEAD_DIMS} (whole TMA "
-                       "boxes of 64 columns, and a consumer's dK, dV columns one wgmma N)")
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.block_m != BLOCK_M:
             out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (dS^T rows are one "
                        "128-byte swizzle atom)")
@@ -220,7 +220,16 @@ class Fa3BwdGeometry(TileGeometry):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA3 backward tile can take `head_dim`, or None."""
+    if head_dim not in HEAD_DIMS:
+        return (f"head_dim={head_dim}: the FA3 backward takes {HEAD_DIMS} (whole TMA boxes of 64 "
+                "columns, and a consumer's dK, dV columns one wgmma N)")
+    return None
+
+
 class Fa3BackwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa3_bwd_sm90.cu.j2"

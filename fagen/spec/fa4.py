@@ -8,6 +8,7 @@ static_assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -77,11 +78,8 @@ class Fa4Geometry(TmaRingLayout):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if self.head_dim % TMA_COLUMNS or self.head_dim > MAX_HEAD_DIM:
-            out.append(
-                f"head_dim={self.head_dim}: the FA4 template needs a multiple of {TMA_COLUMNS} "
-                f"(128-byte swizzle atoms) up to {MAX_HEAD_DIM} (tcgen05.mma N)"
-            )
+        if problem := head_dim_problem(self.head_dim):
+            out.append(problem)
         if self.block_m != BLOCK_M:
             out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (one M=128 MMA, a TMEM "
                        "lane per query row)")
@@ -105,7 +103,16 @@ class Fa4Geometry(TmaRingLayout):
         return out
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA4 tile can take `head_dim`, or None."""
+    if head_dim % TMA_COLUMNS or not 0 < head_dim <= MAX_HEAD_DIM:
+        return (f"head_dim={head_dim}: the FA4 template needs a multiple of {TMA_COLUMNS} "
+                f"(128-byte swizzle atoms) up to {MAX_HEAD_DIM} (tcgen05.mma N)")
+    return None
+
+
 class Fa4ForwardSpec(KernelSpec):
+    HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 4
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa4_fwd_sm100.cu.j2"

@@ -44,9 +44,14 @@ class Expansion:
     skipped: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
 
 
-def _first_error(exc: ValidationError) -> str:
+def _first_error(exc: ValidationError, auto_tile: bool = False) -> str:
+    errors = exc.errors()
+    if auto_tile and len(errors) > 1:
+        # `tile: auto` is resolved from arch and head_dim; where one of them is wrong the tile is
+        # missing because of it, and the other error says why.
+        errors = [e for e in errors if not (e["loc"] == ("tile",) and e["type"] == "missing")]
     parts = []
-    for err in exc.errors():
+    for err in errors:
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
@@ -71,7 +76,7 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
                 for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.causal):
                     out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
-            why = _first_error(exc)
+            why = _first_error(exc, auto_tile=fields.get("tile", "auto") == "auto")
             if not list_fields:
                 raise SpecError(f"kernels[{index}]: {why}") from None
             out.skipped.append((index, dict(zip(names, values)), why))

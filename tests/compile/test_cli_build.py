@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -171,6 +172,16 @@ def packed(ci_small, tmp_path, capsys):
     code, _, _ = run(capsys, "pack", bundle_dir, "-o", target)
     assert code == 0
     return target
+
+
+def test_pack_without_o_writes_beside_the_bundle(ci_small, tmp_path, monkeypatch, capsys):
+    bundle_dir, _ = ci_small
+    copy = tmp_path / "bundles" / "ci-small"
+    shutil.copytree(bundle_dir, copy)
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = run(capsys, "pack", copy)
+    assert code == 0 and (copy.parent / "ci-small.tar.gz").is_file()
+    assert not (tmp_path / "ci-small.tar.gz").exists()  # not the directory the command ran in
 
 
 def test_list_of_a_packed_bundle_equals_the_directory(ci_small, packed, capsys):

@@ -109,9 +109,14 @@ def test_markup_in_paths_and_fields_is_printed_as_is(tmp_path, capsys):
     assert code == 0 and has(out, "skipped kernels[0] (dtype=[red]x[/red]): dtype:")
 
 
-@pytest.mark.parametrize("head_dim", [512, 264, 100, 0])
-def test_head_dim_out_of_range_names_the_field_limit_not_the_tuning_table(head_dim, tmp_path, capsys):
-    message = f"head_dim={head_dim}: must be a multiple of 8 in [8, 256]"
+FA2_HEAD_DIMS = "the FA2 template needs a multiple of 16 up to 256 (mma.sync k-step and ldmatrix pairs)"
+
+
+@pytest.mark.parametrize("head_dim", [512, 264, 100, 72, 0])
+def test_head_dim_out_of_range_names_the_algorithms_limit_not_the_tuning_table(head_dim, tmp_path, capsys):
+    # The algorithm's own rule, whole (100 once led to "a multiple of 8", then 72 to "FA2 needs a
+    # multiple of 16"); 0 passes the FA2 rule's multiple but not its range.
+    message = f"head_dim={head_dim}: {FA2_HEAD_DIMS}"
     with pytest.raises(pydantic.ValidationError) as info:
         KernelSpec.model_validate({"fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": head_dim})
     assert message in str(info.value) and "give the tile explicitly" not in str(info.value)
@@ -140,11 +145,20 @@ def test_available_algorithms_come_from_the_registry():
     assert spec.name.startswith("fa1_fwd_sm90_bf16_hd64_full_m64n128w4_")
 
 
-def test_head_dim_the_tuning_table_cannot_serve_still_says_why(capsys, tmp_path):
-    # 72 is a valid head_dim, but the FA2 template needs a multiple of 16: the geometry says so.
-    spec = write_spec(tmp_path, "fa_version: 2, arch: sm90, dtype: bf16, head_dim: 72")
+def test_head_dim_an_explicit_tile_cannot_serve_still_says_why(capsys, tmp_path):
+    # 72 with an explicit FA2 tile: the geometry's problems() report the same rule.
+    spec = write_spec(tmp_path, "fa_version: 2, arch: sm90, dtype: bf16, head_dim: 72, "
+                                "tile: {block_m: 64, block_n: 64, warps: 4, stages: 2}")
     code, _, err = run(capsys, "build", spec)
-    assert code == 1 and "the FA2 template needs a multiple of 16" in one_error(err)
+    assert code == 1 and f"head_dim=72: {FA2_HEAD_DIMS}" in one_error(err)
+
+
+def test_a_wrong_arch_is_the_only_error_of_an_auto_tile(capsys, tmp_path):
+    spec = write_spec(tmp_path, "fa_version: 2, arch: sm75, dtype: bf16, head_dim: 64")
+    code, _, err = run(capsys, "build", spec)
+    assert code == 1 and one_error(err) == (
+        f"error: {spec}: kernels[0]: arch: Input should be 'sm80', 'sm86', 'sm89', 'sm90', 'sm90a', "
+        "'sm100a' or 'sm120'")
 
 
 # ---- build --dry-run ----
@@ -170,8 +184,7 @@ def test_dry_run_reports_what_a_product_skips(tmp_path, capsys):
     spec = write_spec(tmp_path, "fa_version: 2, arch: [sm90, sm90a], dtype: bf16, head_dim: [64, 512]")
     code, out, _ = run(capsys, "build", "-n", spec)
     assert code == 0
-    assert has(out, "skipped kernels[0] (arch=sm90, head_dim=512): head_dim=512: must be a "
-               "multiple of 8 in [8, 256]")
+    assert has(out, f"skipped kernels[0] (arch=sm90, head_dim=512): head_dim=512: {FA2_HEAD_DIMS}")
     assert has(out, "skipped kernels[0] (arch=sm90a, head_dim=64): arch=sm90a:")
     assert has(out, "1 kernel in 1 algorithm/arch group, 3 combinations skipped")
 

@@ -25,3 +25,14 @@ def test_benchmarks_without_cuda_say_so_in_one_line(tool, monkeypatch, capsys):
     assert module.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"bench.{tool}: needs a CUDA device (torch {torch.__version__} sees none)"], err
+
+
+def test_bundle_writes_share_a_fixed_set_of_lock_files(tmp_path, monkeypatch):
+    from fagen.bundle.writer import LOCK_SLOTS, BundleWriter
+
+    monkeypatch.setenv("FAGEN_CACHE", str(tmp_path / "cache"))
+    for i in range(3 * LOCK_SLOTS):  # every test run writes bundles into fresh directories
+        with BundleWriter(tmp_path / f"run-{i}" / "bundle"):
+            pass
+    locks = list((tmp_path / "cache" / "locks").iterdir())
+    assert 1 < len(locks) <= LOCK_SLOTS, sorted(p.name for p in locks)

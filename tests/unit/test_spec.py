@@ -26,9 +26,19 @@ error_text = partial(refusal_of, BASE)
 EXPLICIT_TILE = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}
 
 
-def test_head_dim_not_a_multiple_of_8_names_field_and_limit():
+def test_head_dim_names_field_and_the_algorithms_limit():
     text = error_text(head_dim=100, tile=EXPLICIT_TILE)
-    assert "head_dim=100" in text and "multiple of 8" in text
+    assert "head_dim=100" in text and "FA2 template needs a multiple of 16 up to 256" in text
+    assert "multiple of 8" not in text  # the contract's looser limit would send the user to 72
+
+
+@pytest.mark.parametrize("fa_version, arch, head_dim, words", [
+    (1, "sm90", 72, "FA1 template needs a multiple of 16"),
+    (3, "sm90a", 96, "FA3 template needs a multiple of 64"),
+    (4, "sm100a", 320, "FA4 template needs a multiple of 64"),
+])
+def test_each_algorithm_names_its_own_head_dims(fa_version, arch, head_dim, words):
+    assert words in error_text(fa_version=fa_version, arch=arch, head_dim=head_dim)
 
 
 def test_head_dim_multiple_of_8_but_not_16_is_rejected_by_the_fa2_geometry():
