@@ -227,7 +227,7 @@ struct Forward {
         const int key_end = mask.key_end(w.row_begin + row);
         float reference = algo::neg_inf();
         float row_sum = 0.f;
-        float row_rounding = 0.f;  // algo/online_softmax.cuh: l_round
+        float row_rounding = 0.f;  // round16(P) - P of each block's largest P (algo/online_softmax.cuh)
 
         for (int j = 0; j < w.n_blocks; ++j) {
             const int buffer = j & 1;
