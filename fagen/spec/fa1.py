@@ -18,7 +18,7 @@ from pydantic import Field
 from .. import contract
 from .arch import MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
-from .fa2 import MMA_K, REGISTER_OVERHEAD, VECTOR_BYTES
+from .fa2 import MMA_K, REGISTER_OVERHEAD, VECTOR_BYTES, mma_sync_head_dim_problem
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 
 WARP_ROWS = 16  # one m16 tile per warp: the inner loop visits every query block of the head
@@ -89,10 +89,7 @@ class Fa1Geometry(TileGeometry):
 
 def head_dim_problem(head_dim: int) -> str | None:
     """Why no FA1 tile can take `head_dim`, or None."""
-    if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
-        return (f"head_dim={head_dim}: the FA1 template needs a multiple of {MMA_K} up to "
-                f"{contract.MAX_HEAD_DIM} (mma.sync k-step and ldmatrix pairs)")
-    return None
+    return mma_sync_head_dim_problem(head_dim, "the FA1 template")
 
 
 class Fa1ForwardSpec(KernelSpec):

@@ -107,12 +107,18 @@ class Fa2Geometry(TileGeometry):
         return out
 
 
-def head_dim_problem(head_dim: int) -> str | None:
-    """Why no FA2 forward tile can take `head_dim`, or None."""
+def mma_sync_head_dim_problem(head_dim: int, kernel: str) -> str | None:
+    """Why no tile of an mma.sync kernel (FA1, the FA2 forward and backward; `kernel` names it in
+    the message) can take `head_dim`, or None."""
     if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
-        return (f"head_dim={head_dim}: the FA2 template needs a multiple of {MMA_K} up to "
+        return (f"head_dim={head_dim}: {kernel} needs a multiple of {MMA_K} up to "
                 f"{contract.MAX_HEAD_DIM} (mma.sync k-step and ldmatrix pairs)")
     return None
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why no FA2 forward tile can take `head_dim`, or None."""
+    return mma_sync_head_dim_problem(head_dim, "the FA2 template")
 
 
 class Fa2ForwardSpec(KernelSpec):

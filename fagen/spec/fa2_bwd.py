@@ -17,7 +17,7 @@ from pydantic import Field
 from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
-from .fa2 import MMA_K, VECTOR_BYTES, Fa2ForwardSpec
+from .fa2 import VECTOR_BYTES, Fa2ForwardSpec, mma_sync_head_dim_problem
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 
 MMA_M = 16  # rows of an mma.sync m16n8k16 tile: the unit of a warp's keys and dQ rows
@@ -151,10 +151,7 @@ class Fa2BwdGeometry(TileGeometry):
 
 def head_dim_problem(head_dim: int) -> str | None:
     """Why no FA2 backward tile can take `head_dim`, or None."""
-    if head_dim % MMA_K or not 0 < head_dim <= contract.MAX_HEAD_DIM:
-        return (f"head_dim={head_dim}: the FA2 backward needs a multiple of {MMA_K} up to "
-                f"{contract.MAX_HEAD_DIM}")
-    return None
+    return mma_sync_head_dim_problem(head_dim, "the FA2 backward")
 
 
 class Fa2BackwardSpec(KernelSpec):

@@ -1,6 +1,6 @@
 """The backward on the GPU: dq, dk, dv of fagen's kernels against the fp64 reference under the
-rule of attention_reference (each gradient's max error at most 3x the larger error of plain
-torch's two low-precision computations, plus a small atol, every value finite), gradients
+rule of attention_reference (each gradient's max error at most 3x the largest error of plain
+torch's low-precision computations, plus a small atol, every value finite), gradients
 poisoned with NaN before the launch, large scores, GQA/MQA, strided inputs, the deterministic
 mode, memory linear in the sequence length, torch.compile and CUDA graphs of a training step."""
 

@@ -1,6 +1,6 @@
 """The forward on the GPU against the fp64 reference (the rule of attention_reference).
 
-An output passes when its max error is at most 2x the larger error of plain torch's two
+An output passes when its max error is at most 2x the largest error of plain torch's
 low-precision computations, plus a small atol. Outputs are poisoned with NaN through the caching
 allocator, so an element the kernel never writes fails.
 """
