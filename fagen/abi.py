@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 
 # 2: the dQ accumulator's rows padded to contract.DQ_ACCUM_ROW_ALIGN per (batch, head).
-ABI_VERSION = 2
+# 3: window_left, window_right (the mask's band, contract.Mask).
+ABI_VERSION = 3
 
 _c_longlong = ctypes.c_longlong
 
@@ -18,7 +19,7 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
     return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
 
 
-# The fields both structs end with: the LSE's strides and the problem's sizes and scale.
+# The fields both structs end with: the LSE's strides and the problem's sizes, scale and mask.
 _PROBLEM = [
     ("lse_batch_stride", _c_longlong),
     ("lse_head_stride", _c_longlong),
@@ -28,6 +29,8 @@ _PROBLEM = [
     ("seqlen_q", ctypes.c_int),
     ("seqlen_k", ctypes.c_int),
     ("scale_log2", ctypes.c_float),
+    ("window_left", ctypes.c_int),
+    ("window_right", ctypes.c_int),
 ]
 
 

@@ -7,6 +7,7 @@ generated header, ``include/fagen/contract.h`` (``render_contract_header``), wri
 bundle beside ``index.h``.
 
 - the kernel key: what a caller asks a bundle for (``fwd/bf16/hd128/causal``), format and parse;
+- the mask rule: which mask kind and window sizes a call's ``causal`` and ``window_size`` mean;
 - the shared limits the kernels' inputs must meet (head dims, alignment, strides, grid);
 - the softmax-scale rule: which ``softmax_scale`` values the kernels answer correctly, and the
   ``scale_log2`` they are launched with;
@@ -28,7 +29,8 @@ from pathlib import PurePosixPath
 
 DIRECTIONS = ("fwd", "bwd")
 DTYPES = ("fp16", "bf16")
-MASKS = {False: "full", True: "causal"}
+# The kinds of mask (templates/include/fagen/algo/mask.cuh: MaskKind), in its order.
+MASKS = ("full", "causal", "local")
 # The one spelling of a key; parse() and the generated C++ kernel_key() follow it.
 KEY_FORMAT = "{direction}/{dtype}/hd{head_dim}/{mask}"
 _KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dim": "[0-9]+", "mask": "[a-z]+"}
@@ -44,24 +46,65 @@ class KernelKey:
     direction: str
     dtype: str
     head_dim: int
-    causal: bool
+    mask: str  # one of MASKS
 
     def __str__(self) -> str:
         return KEY_FORMAT.format(direction=self.direction, dtype=self.dtype,
-                                 head_dim=self.head_dim, mask=MASKS[self.causal])
+                                 head_dim=self.head_dim, mask=self.mask)
 
     @classmethod
     def parse(cls, text: str) -> "KernelKey | None":
         """The key `text` spells, or None when it has another shape."""
         found = _KEY.match(text)
-        if found is None or found["mask"] not in MASKS.values():
+        if found is None or found["mask"] not in MASKS:
             return None
-        return cls(found["direction"], found["dtype"], int(found["head_dim"]),
-                   found["mask"] == MASKS[True])
+        return cls(found["direction"], found["dtype"], int(found["head_dim"]), found["mask"])
 
 
-def kernel_key(direction: str, dtype: str, head_dim: int, causal: bool) -> str:
-    return str(KernelKey(direction, dtype, head_dim, causal))
+def kernel_key(direction: str, dtype: str, head_dim: int, mask: str) -> str:
+    return str(KernelKey(direction, dtype, head_dim, mask))
+
+
+# ---------------------------------------------------------------------------- mask rule
+
+
+class MaskError(ValueError):
+    """A window_size the kernels cannot take."""
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The mask of one call: its kind (MASKS) and the window sizes the kernels are launched with
+    (FagenFwdParams / FagenBwdParams window_left, window_right; >= 0, an unbounded edge as
+    seqlen_q + seqlen_k, past every key; 0 where the kind has no such edge)."""
+
+    kind: str
+    window_left: int = 0
+    window_right: int = 0
+
+
+def call_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> Mask:
+    """flash-attn's rule for `causal` and `window_size` = (left, right): query row i sees keys j
+    with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is unbounded,
+    and so is a size >= seqlen_k; causal sets right = 0. Which kind of kernel serves the result:
+    no edge is `full`, right = 0 alone is `causal`, anything else `local`. Raises MaskError for
+    sizes below -1. Mirrored by fagen.hpp's call_mask."""
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise MaskError(f"window_size={window_size!r}: must be a pair of ints (left, right)") from None
+    if left < -1 or right < -1:
+        raise MaskError(f"window_size={window_size!r}: each size must be >= 0, or -1 for unbounded")
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return Mask("full")
+    if left < 0 and right == 0:
+        return Mask("causal")
+    unbounded = seqlen_q + seqlen_k
+    return Mask("local", unbounded if left < 0 else left, unbounded if right < 0 else right)
 
 
 # ---------------------------------------------------------------------------- shared limits
@@ -294,7 +337,7 @@ CONTRACT_HEADER = "include/fagen/contract.h"
 def _cpp_key_expression() -> str:
     """KEY_FORMAT as a C++ expression over kernel_key()'s parameters."""
     fields = {"direction": "direction", "dtype": "dtype", "head_dim": "std::to_string(head_dim)",
-              "mask": f'(causal ? "{MASKS[True]}" : "{MASKS[False]}")'}
+              "mask": "mask"}
     parts = ['std::string()']
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT):
         if literal:
@@ -322,6 +365,9 @@ def render_contract_header() -> str:
         f"#define FAGEN_ACCUM_BYTES {ACCUM_BYTES}",
         f"#define FAGEN_ACCUM_BOX_COLUMNS {ACCUM_BOX_COLUMNS}",
         f"#define FAGEN_LOG2_E {LOG2_E!r}",
+        "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASKS. */",
+        *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASKS)),
+        "#define FAGEN_MASK_NAMES {" + ", ".join(f'"{name}"' for name in MASKS) + "}",
         "/* The smallest scale_log2 a kernel is launched with (softmax_scale 0 -> uniform",
         "   attention; see fagen/contract.py, kernel_scale_log2). */",
         f"#define FAGEN_MIN_SCALE_LOG2 {MIN_SCALE_LOG2!r}",
@@ -337,9 +383,10 @@ def render_contract_header() -> str:
         "#ifdef __cplusplus",
         "#include <string>",
         "namespace fagen {",
-        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, True)}\". */",
+        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\"; mask is",
+        f"   one of {', '.join(MASKS)} (FAGEN_MASK_NAMES). */",
         "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
-        "bool causal) {",
+        "const char* mask) {",
         f"    return {_cpp_key_expression()};",
         "}",
         "}  // namespace fagen",

@@ -1,7 +1,7 @@
 // Attention from C++ with a fagen bundle: random inputs on the host, the kernels through
 // fagen.hpp, the results checked against a CPU fp32 reference.
 //
-//   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--causal]
+//   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--causal] [--window LEFT RIGHT]
 //                   [--batch 2] [--seqlen-q 300] [--seqlen-k 257] [--heads-q 4] [--heads-kv 2]
 //                   [--backward [--deterministic]] [--seed 0] [--tolerance T] [--dump DIR]
 //
@@ -37,6 +37,7 @@ struct Options {
     std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
     fagen::DType dtype = fagen::DType::bf16;
     bool causal = false, backward = false, deterministic = false;
+    int window_left = -1, window_right = -1;  // flash-attn's window_size; -1: unbounded
     int head_dim = 64, batch = 2, seqlen_q = 300, seqlen_k = 257, heads_q = 4, heads_kv = 2;
     unsigned seed = 0;
     double tolerance = -1.0;  // < 0: the default for the dtype
@@ -52,6 +53,10 @@ bool parse(int argc, char** argv, Options& o) {
         else if (flag == "--backward") o.backward = true;
         else if (flag == "--deterministic") o.deterministic = true;
         else if (!has_value) return false;
+        else if (flag == "--window" && i + 2 < argc) {
+            o.window_left = std::atoi(argv[++i]);
+            o.window_right = std::atoi(argv[++i]);
+        }
         else if (flag == "--bundle") o.bundle = argv[++i];
         else if (flag == "--dump") o.dump = argv[++i];
         else if (flag == "--dtype") {
@@ -131,8 +136,24 @@ HostTensor random_tensor(size_t count, fagen::DType dtype, std::mt19937& rng) {
     return t;
 }
 
-// softmax(q k^T * scale) v in fp32, flash-attn layout, causal aligned bottom-right; a row that
-// sees no key is zero.
+// The keys [first, last] query row i sees under the call's causal flag and window (fagen's
+// call_mask: flash-attn's rule, bottom-right aligned); first > last when it sees none.
+std::pair<int, int> visible_keys(const Options& o, int i) {
+    const fagen::CallMask mask =
+        fagen::call_mask(o.causal, o.window_left, o.window_right, o.seqlen_q, o.seqlen_k).value();
+    const int diagonal = i + o.seqlen_k - o.seqlen_q;
+    const std::string kind = mask.kind;
+    int first = 0, last = o.seqlen_k - 1;
+    if (kind == "causal") last = std::min(last, diagonal);
+    if (kind == "local") {
+        first = std::max(first, diagonal - mask.window_left);
+        last = std::min(last, diagonal + mask.window_right);
+    }
+    return {first, last};
+}
+
+// softmax(q k^T * scale) v in fp32, flash-attn layout, over the keys visible_keys() gives; a row
+// that sees no key is zero.
 std::vector<float> reference_attention(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                        float scale) {
     const int d = o.head_dim, group = o.heads_q / o.heads_kv;
@@ -141,10 +162,10 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
         for (int h = 0; h < o.heads_q; ++h)
             for (int i = 0; i < o.seqlen_q; ++i) {
                 const float* qrow = &q.values[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d];
-                const int last_key = o.causal ? std::min(o.seqlen_k - 1, i + o.seqlen_k - o.seqlen_q) : o.seqlen_k - 1;
-                if (last_key < 0) continue;
+                const auto [first_key, last_key] = visible_keys(o, i);
+                if (last_key < first_key) continue;
                 float max_score = -INFINITY;
-                for (int j = 0; j <= last_key; ++j) {
+                for (int j = first_key; j <= last_key; ++j) {
                     const float* krow = &k.values[((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d];
                     float dot = 0.0f;
                     for (int c = 0; c < d; ++c) dot += qrow[c] * krow[c];
@@ -152,9 +173,9 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
                     max_score = std::max(max_score, scores[j]);
                 }
                 float total = 0.0f;
-                for (int j = 0; j <= last_key; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
+                for (int j = first_key; j <= last_key; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
                 float* orow = &out[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d];
-                for (int j = 0; j <= last_key; ++j) {
+                for (int j = first_key; j <= last_key; ++j) {
                     const float* vrow = &v.values[((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d];
                     for (int c = 0; c < d; ++c) orow[c] += scores[j] / total * vrow[c];
                 }
@@ -179,11 +200,11 @@ Gradients reference_backward(const Options& o, const HostTensor& q, const HostTe
         for (int h = 0; h < o.heads_q; ++h)
             for (int i = 0; i < o.seqlen_q; ++i) {
                 const size_t qi = ((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d;
-                const int last_key = o.causal ? std::min(o.seqlen_k - 1, i + o.seqlen_k - o.seqlen_q) : o.seqlen_k - 1;
-                if (last_key < 0) continue;
+                const auto [first_key, last_key] = visible_keys(o, i);
+                if (last_key < first_key) continue;
                 auto kv_row = [&](int j) { return ((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d; };
                 float max_score = -INFINITY, total = 0.0f, rowsum = 0.0f;
-                for (int j = 0; j <= last_key; ++j) {
+                for (int j = first_key; j <= last_key; ++j) {
                     float dot = 0.0f, dp = 0.0f;
                     for (int c = 0; c < d; ++c) {
                         dot += q.values[qi + c] * k.values[kv_row(j) + c];
@@ -193,12 +214,12 @@ Gradients reference_backward(const Options& o, const HostTensor& q, const HostTe
                     dprobs[j] = dp;
                     max_score = std::max(max_score, probs[j]);
                 }
-                for (int j = 0; j <= last_key; ++j) total += (probs[j] = std::exp(probs[j] - max_score));
-                for (int j = 0; j <= last_key; ++j) {
+                for (int j = first_key; j <= last_key; ++j) total += (probs[j] = std::exp(probs[j] - max_score));
+                for (int j = first_key; j <= last_key; ++j) {
                     probs[j] /= total;
                     rowsum += probs[j] * dprobs[j];  // = rowsum(dO * O) of this row
                 }
-                for (int j = 0; j <= last_key; ++j) {
+                for (int j = first_key; j <= last_key; ++j) {
                     const float ds = probs[j] * (dprobs[j] - rowsum) * scale;
                     for (int c = 0; c < d; ++c) {
                         g.dq[qi + c] += ds * k.values[kv_row(j) + c];
@@ -238,6 +259,7 @@ bool dump(const Options& o, const HostTensor& q, const HostTensor& k, const Host
     std::ofstream json(dir + "problem.json");
     json << std::setprecision(9);  // enough digits to round-trip the fp32 scale
     json << "{\"dtype\": \"" << fagen::dtype_name(o.dtype) << "\", \"causal\": " << (o.causal ? "true" : "false")
+         << ", \"window_size\": [" << o.window_left << ", " << o.window_right << "]"
          << ", \"batch\": " << o.batch << ", \"seqlen_q\": " << o.seqlen_q << ", \"seqlen_k\": " << o.seqlen_k
          << ", \"heads_q\": " << o.heads_q << ", \"heads_kv\": " << o.heads_kv << ", \"head_dim\": " << o.head_dim
          << ", \"softmax_scale\": " << scale << ", \"kernel\": \"" << kernel << "\", \"backward\": "
@@ -318,7 +340,7 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
 int main(int argc, char** argv) {
     Options o;
     if (!parse(argc, argv, o)) {
-        std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--causal] [--batch N] "
+        std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--causal] [--window LEFT RIGHT] [--batch N] "
                              "[--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] "
                              "[--backward [--deterministic]] [--seed N] [--tolerance T] [--dump DIR]\n", argv[0]);
         return 2;
@@ -328,7 +350,10 @@ int main(int argc, char** argv) {
     auto device = fagen::use_device(0);
     if (!device.ok()) return fail(device.status().message());
     const fagen::Driver& cu = *fagen::driver().value();
-    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, o.causal), o.seqlen_k);
+    const fagen::Result<fagen::CallMask> mask =
+        fagen::call_mask(o.causal, o.window_left, o.window_right, o.seqlen_q, o.seqlen_k);
+    if (!mask.ok()) return fail(mask.status().message());
+    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, mask.value().kind), o.seqlen_k);
     if (!kernel.ok()) return fail(kernel.status().message());
     const char* kernel_name = kernel.value()->info().name;
 
@@ -360,6 +385,8 @@ int main(int argc, char** argv) {
 
     a.dtype = o.dtype;
     a.causal = o.causal;
+    a.window_left = o.window_left;
+    a.window_right = o.window_right;
     a.batch = o.batch;
     a.seqlen_q = o.seqlen_q;
     a.seqlen_k = o.seqlen_k;

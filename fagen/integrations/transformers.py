@@ -20,8 +20,8 @@ Mistral, ...). Two registrations, both under the same name:
 
 What fagen's kernels cannot do is refused with NotImplementedError (naming it and pointing at
 ``attn_implementation="sdpa"``), never ignored: dropout > 0, padding or any mask beyond the
-causal/full pattern (packed sequences, a StaticCache's unfilled slots, custom masks), a sliding
-window or chunked attention that masks something, softcap, attention sinks, position biases,
+causal/full pattern (packed sequences, a StaticCache's unfilled slots, custom masks), chunked
+attention that masks something, softcap, attention sinks, position biases,
 output_attentions=True, and head dims fagen has no kernel for. Masks that arrive already
 materialised (4-D, e.g. passed by the caller or built by transformers < 4.53) are accepted when
 they are all-ones or exactly the bottom-right causal pattern; that check reads the mask (a
@@ -122,11 +122,28 @@ def _without_unpacked_check(mask_function):
     return mask_function
 
 
+def _is_causal_window(mask_function, size: int) -> bool:
+    """Whether `mask_function` is the causal sliding window of `size` keys (transformers'
+    sliding_window_causal_mask_function: query q sees keys q - size + 1 ... q), checked on the
+    positions where a window's edges are (the mask functions take index tensors)."""
+    queries = sorted({0, 1, size - 1, size, size + 1, 3 * size + 2})
+    try:
+        for q in queries:
+            for kv in range(max(0, q - size - 2), q + 3):
+                allowed = bool(mask_function(torch.tensor(0), torch.tensor(0), torch.tensor(q), torch.tensor(kv)))
+                if allowed != (q - size < kv <= q):
+                    return False
+    except Exception:  # a mask function that needs other arguments is no plain window
+        return False
+    return True
+
+
 def fagen_mask(**kwargs):
     """transformers' mask interface for "fagen" (called with keywords by create_causal_mask and
-    friends): None when the attention is the plain causal or full pattern over keys without
-    padding, which the attention function then runs with its is_causal; NotImplementedError
-    for every other pattern. Never builds a mask.
+    friends): None when the attention is the plain causal or full pattern, or a causal sliding
+    window, over keys without padding, which the attention function then runs with its
+    is_causal and sliding_window; NotImplementedError for every other pattern. Never builds a
+    mask.
 
     transformers 5.x passes q_length/q_offset, 4.53-4.57 cache_position; both are read.
     """
@@ -152,9 +169,11 @@ def fagen_mask(**kwargs):
           and kv_length <= local_size and (kv_offset == 0 or not chunked)):
         # A causal sliding window (or chunk) no smaller than the keys: masks nothing more.
         causal = True
+    elif local_size is not None and not chunked and _is_causal_window(mask_function, _as_int(local_size)):
+        causal = True  # the attention function gets the window as its sliding_window
     elif local_size is not None and kwargs.get("allow_is_causal_skip", False):
-        raise _refuse(f"a sliding-window / chunked attention mask of size {local_size} over "
-                      f"{kv_length} keys")
+        raise _refuse(f"a sliding-window or chunked attention mask of size {local_size} over {kv_length} "
+                      "keys other than transformers' causal sliding window")
     else:
         raise _refuse(
             "an attention pattern other than plain causal or full attention (packed sequences "
@@ -234,8 +253,6 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
         raise _refuse("output_attentions=True", module,
                       hint="fagen never materialises the attention weights")
     q_length, kv_length = query.shape[2], key.shape[2]
-    if sliding_window is not None and kv_length > sliding_window:
-        raise _refuse(f"a sliding window of {sliding_window} over {kv_length} keys", module)
     head_dim = query.shape[-1]
     if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
         raise _refuse(f"different q/k/v head dims ({head_dim}, {key.shape[-1]}, {value.shape[-1]})",
@@ -260,6 +277,10 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
         extra["bundle"] = options["bundle"]
     if options.get("deterministic"):
         extra["deterministic"] = True
+    if sliding_window is not None:
+        # transformers' window of W keys is q - W + 1 ... q (flash-attn's window_size W - 1, as
+        # transformers' own flash-attention integration passes it).
+        extra["window_size"] = (int(sliding_window) - 1, int(sliding_window) - 1)
     out = _flash_attn_func()(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=causal, softmax_scale=scaling, **extra)

@@ -50,7 +50,8 @@ class Tensor:
 @dataclass(frozen=True)
 class Problem:
     """The shape of one call: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k,
-    heads_kv, head_dim), out like q, lse (batch, heads_q, seqlen_q) fp32."""
+    heads_kv, head_dim), out like q, lse (batch, heads_q, seqlen_q) fp32; the mask from `causal`
+    and `window_size` by flash-attn's rule (contract.call_mask)."""
 
     dtype: str  # "fp16" | "bf16"
     causal: bool
@@ -60,10 +61,15 @@ class Problem:
     heads_q: int
     heads_kv: int
     head_dim: int
+    window_size: tuple[int, int] = (-1, -1)
+
+    @property
+    def mask(self) -> contract.Mask:
+        return contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
 
     @property
     def key(self) -> str:
-        return contract.kernel_key("fwd", self.dtype, self.head_dim, self.causal)
+        return contract.kernel_key("fwd", self.dtype, self.head_dim, self.mask.kind)
 
 
 def check_problem(problem: Problem) -> None:
@@ -78,6 +84,10 @@ def check_problem(problem: Problem) -> None:
             f"nheads_q={problem.heads_q} must be a multiple of nheads_kv={problem.heads_kv}")
     if found := contract.head_dim_problem(problem.head_dim):
         raise AttentionError(found)
+    try:
+        problem.mask
+    except contract.MaskError as error:
+        raise AttentionError(str(error)) from None
 
 
 def _check_tensor(name: str, tensor: Tensor, tma: bool) -> None:
@@ -158,6 +168,7 @@ def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
         seqlen_k=p.seqlen_k, scale_log2=scale_log2,
+        window_left=p.mask.window_left, window_right=p.mask.window_right,
     )
 
 
@@ -262,7 +273,7 @@ class BackwardTensors:
 def select_backward(bundle: Bundle, problem: Problem, device: int = 0,
                     fa_version: int | None = None) -> KernelEntry:
     """The backward kernel for `problem` on the device (the key of its backward direction)."""
-    key = contract.kernel_key("bwd", problem.dtype, problem.head_dim, problem.causal)
+    key = contract.kernel_key("bwd", problem.dtype, problem.head_dim, problem.mask.kind)
     return bundle.select(key, driver.compute_capability(device), problem.seqlen_k,
                          fa_version=fa_version)
 
@@ -287,6 +298,7 @@ def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardW
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
         seqlen_k=p.seqlen_k, scale_log2=scale_log2,
+        window_left=p.mask.window_left, window_right=p.mask.window_right,
         softmax_scale=contract.default_softmax_scale(p.head_dim) if softmax_scale is None
         else softmax_scale,
     )

@@ -7,11 +7,12 @@ Selection uses only what the manifest says about each entry (``compute_capabilit
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 from collections import defaultdict
 from pathlib import Path
 
-from .. import paths
+from .. import contract, paths
 from ..bundle.format import BundleError, KernelEntry, read_bundle
 from ..bundle.pack import unpack_cached
 from . import driver
@@ -100,13 +101,8 @@ def select(
 
 def _parse_key(key: str) -> dict | None:
     """``fwd/bf16/hd128/causal`` -> its fields; None when the key has another shape."""
-    parts = key.split("/")
-    if len(parts) != 4 or not parts[2].startswith("hd") or not parts[2][2:].isdigit():
-        return None
-    direction, dtype, head_dim, mask = parts
-    if mask not in ("causal", "full"):
-        return None
-    return {"direction": direction, "dtype": dtype, "head_dim": int(head_dim[2:]), "causal": mask == "causal"}
+    parsed = contract.KernelKey.parse(key)
+    return None if parsed is None else dataclasses.asdict(parsed)
 
 
 def _compact_keys(keys: set[str]) -> str:
@@ -118,7 +114,7 @@ def _compact_keys(keys: set[str]) -> str:
         if fields is None:
             others.append(key)
             continue
-        group = (fields["direction"], fields["dtype"], "causal" if fields["causal"] else "full")
+        group = (fields["direction"], fields["dtype"], fields["mask"])
         head_dims[group].append(fields["head_dim"])
     grouped = []
     for (direction, dtype, mask), dims in sorted(head_dims.items()):
@@ -157,7 +153,7 @@ def _not_found_message(entries, key: str, compute_capability: tuple[int, int], b
         snippet = (
             f"{{fa_version: 2, arch: {_arch_for(compute_capability)}, direction: {fields['direction']}, "
             f"dtype: {fields['dtype']}, head_dim: {fields['head_dim']}, "
-            f"causal: {'true' if fields['causal'] else 'false'}}}"
+            f"mask: {fields['mask']}}}"
         )
         lines.append(
             f"To add it, put this entry under `kernels:` in your spec: {snippet} "

@@ -1,7 +1,7 @@
 """What every kernel spec shares; each algorithm (fa1.py ... fa4.py) subclasses it.
 
 A spec is one frozen, validated description of a kernel variant: the fields every kernel has
-(fa_version, arch, direction, dtype, head_dim, causal, max_seqlen_k) and a `tile`, which is the
+(fa_version, arch, direction, dtype, head_dim, mask, max_seqlen_k) and a `tile`, which is the
 algorithm's own model. Each algorithm's spec class owns its tile model, its geometry (derived
 constants and the limits it checks: shared memory, registers, TMEM), the constexprs its template
 receives and its launch description; `KernelSpec.model_validate(fields)` picks the class by
@@ -27,18 +27,34 @@ from .arch import ARCHS, Arch
 
 
 @dataclass(frozen=True)
+class EnumValue:
+    """A member of a C++ enum class, e.g. fagen::algo::MaskKind::kCausal."""
+
+    enum: str
+    member: str
+
+
+# The kernels' MaskKind (templates/include/fagen/algo/mask.cuh) of each contract.MASKS name.
+MASK_KINDS = {"full": "kFull", "causal": "kCausal", "local": "kLocal"}
+
+
+@dataclass(frozen=True)
 class Constexpr:
     """One `static constexpr` of a template's Config."""
 
     name: str
-    value: bool | int | float
+    value: bool | int | float | EnumValue
 
     @property
     def c_type(self) -> str:
+        if isinstance(self.value, EnumValue):
+            return self.value.enum
         return {bool: "bool", int: "int", float: "float"}[type(self.value)]
 
     @property
     def c_value(self) -> str:
+        if isinstance(self.value, EnumValue):
+            return f"{self.value.enum}::{self.value.member}"
         if isinstance(self.value, bool):
             return "true" if self.value else "false"
         return f"{self.value!r}f" if isinstance(self.value, float) else str(self.value)
@@ -161,13 +177,20 @@ class KernelSpec(BaseModel):
     ARCHS: ClassVar[tuple[Arch, ...]]
     WHY_ARCHS: ClassVar[str]
     REQUIRED_SASS: ClassVar[tuple[str, ...]]
+    # The masks (contract.MASKS) the algorithm's kernels implement, and why not the others.
+    MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
+    WHY_MASKS: ClassVar[str] = ""
 
     fa_version: int
     arch: Arch
     direction: Literal["fwd", "bwd"] = "fwd"
     dtype: Literal["fp16", "bf16"]
     head_dim: int
-    causal: bool = False
+    mask: Literal[contract.MASKS] = Field(
+        "full", description="which (query, key) pairs attend (templates/include/fagen/algo/"
+        "mask.cuh): full, causal (bottom-right aligned) or local (a sliding window, its sizes "
+        "given at run time; causal with a window is local too). `causal: true` is shorthand for "
+        "mask: causal, `causal: false` for mask: full")
     tile: TileBase
     max_seqlen_k: int | None = Field(
         None, gt=0, description="the runtime prefers this kernel for calls with at most this "
@@ -184,11 +207,30 @@ class KernelSpec(BaseModel):
         return super().model_validate(obj, **kwargs)
 
     @model_serializer(mode="wrap")
-    def _omit_unbounded(self, handler):
-        """An unbounded kernel dumps as before the field existed: same JSON, hash and name."""
+    def _canonical_fields(self, handler):
+        """An unbounded kernel, and one of the full or causal mask, dumps as before those fields
+        existed (max_seqlen_k; mask, then `causal: bool`): same JSON, hash and name."""
         data = handler(self)
         if data.get("max_seqlen_k") is None:
             data.pop("max_seqlen_k", None)
+        if data.get("mask") in ("full", "causal"):
+            data["causal"] = data.pop("mask") == "causal"
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _causal_shorthand(cls, data: Any) -> Any:
+        """`causal: true / false` (the field before masks had kinds) as mask: causal / full."""
+        if not isinstance(data, dict) or "causal" not in data:
+            return data
+        data = dict(data)
+        causal = data.pop("causal")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal={causal!r}: must be true or false (or give mask: "
+                             f"{' / '.join(contract.MASKS)})")
+        mask = "causal" if causal else "full"
+        if data.setdefault("mask", mask) != mask:
+            raise ValueError(f"causal={str(causal).lower()} and mask={data['mask']} disagree: give one of them")
         return data
 
     @model_validator(mode="before")
@@ -201,9 +243,10 @@ class KernelSpec(BaseModel):
                             "KernelSpec.model_validate(fields), which picks the algorithm")
         if not isinstance(data, dict) or data.get("tile", "auto") != "auto":
             return data
+        data = cls._causal_shorthand(data)  # the tile depends on the mask
         try:
             arch, head_dim = Arch(data["arch"]), int(data["head_dim"])
-            causal = bool(data.get("causal", False))
+            mask = data.get("mask", "full")
         except (KeyError, ValueError, TypeError, OverflowError):
             return data  # a field missing or malformed: field validation names it
         # A field's own limit comes first: the tuning table's "give the tile explicitly" would
@@ -211,7 +254,9 @@ class KernelSpec(BaseModel):
         if problem := cls.head_dim_problem(head_dim):
             raise ValueError(problem)
         cls._check_arch(arch)
-        tile = resolve_tile(cls, arch, head_dim, causal, data.get("max_seqlen_k"))
+        if mask in contract.MASKS:
+            cls._check_mask(mask)
+        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"))
         return {**data, "tile": tile.model_dump()}
 
     @classmethod
@@ -234,6 +279,14 @@ class KernelSpec(BaseModel):
             raise ValueError(
                 f"arch={value.value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} runs on "
                 f"{', '.join(a.value for a in cls.ARCHS)} only ({cls.WHY_ARCHS})")
+        return value
+
+    @field_validator("mask")
+    @classmethod
+    def _check_mask(cls, value: str) -> str:
+        if value not in cls.MASKS:
+            raise ValueError(f"mask={value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} has the "
+                             f"{', '.join(cls.MASKS)} masks only ({cls.WHY_MASKS})")
         return value
 
     @model_validator(mode="after")
@@ -269,7 +322,7 @@ class KernelSpec(BaseModel):
         """Everything the template's Config declares (codegen renders them in this order)."""
         return [
             Constexpr("kIsBf16", self.dtype == "bf16"),
-            Constexpr("kCausal", self.causal),
+            Constexpr("kMask", EnumValue("fagen::algo::MaskKind", MASK_KINDS[self.mask])),
             Constexpr("kHeadDim", self.head_dim),
             *self.algorithm_constexprs(),
         ]
@@ -282,19 +335,15 @@ class KernelSpec(BaseModel):
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:8]
 
     @property
-    def mask_name(self) -> str:
-        return contract.MASKS[self.causal]
-
-    @property
     def name(self) -> str:
         """The kernel symbol: unmangled, `extern "C"`, unique per canonical spec."""
         bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
         return (
             f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
-            f"hd{self.head_dim}_{self.mask_name}_{self.tile.short}{bound}_{self.short_hash}"
+            f"hd{self.head_dim}_{self.mask}_{self.tile.short}{bound}_{self.short_hash}"
         )
 
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
-        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.causal)
+        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask)

@@ -102,6 +102,9 @@ class Fa1ForwardSpec(KernelSpec):
     WHY_ARCHS: ClassVar[str] = ("mma.sync m16n8k16, ldmatrix and cp.async exist from sm80 on; "
                                 "Hopper takes the plain sm90 build")
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("HMMA", "LDSM", "LDGSTS")
+    MASKS: ClassVar[tuple[str, ...]] = ("full", "causal")
+    WHY_MASKS: ClassVar[str] = ("FA1 is the lineage benchmark's baseline, which measures the full "
+                                "and causal masks; windows are FA2's and FA3's")
 
     fa_version: Literal[1]
     direction: Literal["fwd"] = "fwd"

@@ -73,7 +73,7 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
             out.specs.append(spec)
             # `tile: auto` also builds the tuning table's kernels for short sequences.
             if fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields:
-                for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.causal):
+                for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.mask):
                     out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
             why = _first_error(exc, auto_tile=fields.get("tile", "auto") == "auto")

@@ -35,7 +35,10 @@ class TuningRow:
     tile: TileBase
     max_head_dim: int
     reason: str
-    causal: bool | None = None  # None: the row serves both masks
+    # True: the row serves the masks with a diagonal (causal, local), False: the full mask;
+    # None: every mask. A window takes the causal rows (like FA3's tile_size.h, whose local and
+    # causal tiles are one), not their short-sequence bounds: windows are for long rows.
+    causal: bool | None = None
     max_seqlen_k: int | None = None  # None: any seqlen_k not covered by a bounded row
 
 
@@ -242,10 +245,11 @@ TABLE: tuple[TuningRow, ...] = (
 )
 
 
-def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, causal: bool) -> list[TuningRow]:
+def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str) -> list[TuningRow]:
     tile_model = algorithm.model_fields["tile"].annotation
     rows = [r for r in TABLE if type(r.tile) is tile_model and head_dim <= r.max_head_dim
-            and r.causal in (None, causal)]
+            and r.causal in (None, mask != "full")
+            and not (mask == "local" and r.max_seqlen_k is not None)]
     if not rows:
         raise ValueError(
             f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
@@ -264,7 +268,7 @@ def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | N
     return min(covering) if covering else None
 
 
-def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, causal: bool = False,
+def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, mask: str = "full",
                  max_seqlen_k: int | None = None) -> TileBase:
     """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch` and the
     mask, among the rows that serve calls of up to `max_seqlen_k` keys (None: the unbounded
@@ -272,7 +276,7 @@ def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, causal:
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = _bucket_rows(algorithm, head_dim, causal)
+    rows = _bucket_rows(algorithm, head_dim, mask)
     bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
     for row in (r for r in rows if r.max_seqlen_k == bound):
@@ -287,15 +291,15 @@ def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, causal:
 
 
 def seqlen_bounds(algorithm: type[KernelSpec], arch: Arch, head_dim: int,
-                  causal: bool = False) -> list[int]:
+                  mask: str = "full") -> list[int]:
     """The seqlen_k bounds `tile: auto` builds extra kernels for on this target, ascending:
     those with a fitting row whose tile differs from the unbounded choice."""
-    rows = _bucket_rows(algorithm, head_dim, causal)
-    general = resolve_tile(algorithm, arch, head_dim, causal)
+    rows = _bucket_rows(algorithm, head_dim, mask)
+    general = resolve_tile(algorithm, arch, head_dim, mask)
     bounds = []
     for bound in sorted({r.max_seqlen_k for r in rows} - {None}):
         try:
-            tile = resolve_tile(algorithm, arch, head_dim, causal, bound)
+            tile = resolve_tile(algorithm, arch, head_dim, mask, bound)
         except ValueError:
             continue  # no row of this bound fits the target
         if tile != general:

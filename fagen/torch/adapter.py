@@ -73,8 +73,9 @@ def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
         return _bundles[path]
 
 
-def kernel_key(dtype: torch.dtype, head_dim: int, causal: bool) -> str:
-    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, causal)
+def kernel_key(dtype: torch.dtype, head_dim: int, mask: str) -> str:
+    """The forward's key for a torch dtype; mask: one of contract.MASKS."""
+    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, mask)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -146,10 +147,10 @@ def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
     return runtime_call.Tensor(t.data_ptr(), *_kernel_strides(t))
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> runtime_call.Problem:
+def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int]) -> runtime_call.Problem:
     batch, seqlen_q, heads_q, head_dim = q.shape
     return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
-                                     heads_q, k.shape[2], head_dim)
+                                heads_q, k.shape[2], head_dim, tuple(window))
 
 
 class _PreparedLaunch(NamedTuple):
@@ -163,11 +164,12 @@ class _PreparedLaunch(NamedTuple):
 
 
 def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, causal: bool, softmax_scale: float | None) -> _PreparedLaunch:
+             out: torch.Tensor, causal: bool, window: tuple[int, int],
+             softmax_scale: float | None) -> _PreparedLaunch:
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
     prepared = runtime_call.prepare(
-        kernels, _problem(q, k, causal), _tensor(q), _tensor(k), _tensor(v), _tensor(out),
+        kernels, _problem(q, k, causal, window), _tensor(q), _tensor(k), _tensor(v), _tensor(out),
         softmax_scale, q.device.index, entry)
     return _PreparedLaunch(prepared, (q, k, v))
 
@@ -197,13 +199,14 @@ def _launch(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> 
 def prepare_launch(
     kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ):
     """Everything a launch of `entry` (any kernel of the bundle for its key) on these tensors
     needs, done once; returns the launch itself, which enqueues on torch's current stream when
-    called. For tests and benchmarks that run a chosen kernel."""
-    causal = contract.KernelKey.parse(entry.key).causal
+    called. For tests and benchmarks that run a chosen kernel; `window_size` for a local one."""
+    causal = contract.KernelKey.parse(entry.key).mask == "causal"
     with driver.primary_context(q.device.index):
-        prepared = _prepare(kernels, entry, q, k, v, out, causal, softmax_scale)
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, window_size, softmax_scale)
     return functools.partial(_launch_in_primary_context, prepared, out, lse)
 
 
@@ -222,8 +225,8 @@ _prepared_launches: dict[tuple, _PreparedLaunch] = {}
 _PREPARED_LAUNCHES_KEPT = 1024  # distinct (shape, address) combinations; then start over
 
 
-def _call_signature(bundle, q, k, v, causal, softmax_scale) -> tuple:
-    return (_bundle_request(bundle), causal, softmax_scale, q.device, q.dtype, k.dtype, v.dtype,
+def _call_signature(bundle, q, k, v, causal, window, softmax_scale) -> tuple:
+    return (_bundle_request(bundle), causal, window, softmax_scale, q.device, q.dtype, k.dtype, v.dtype,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, k.shape, v.shape,
             q.stride(), k.stride(), v.stride())
 
@@ -233,6 +236,8 @@ def _flash_attn_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool,
+    window_left: int,
+    window_right: int,
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool = False,
@@ -241,7 +246,8 @@ def _flash_attn_fwd(
     autograd, fagen/torch/backward.py); the forward is deterministic anyway."""
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
-    signature = _call_signature(bundle, q, k, v, causal, softmax_scale)
+    window = (window_left, window_right)
+    signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
         with driver.primary_context(prepared.attention.device):
@@ -256,7 +262,9 @@ def _flash_attn_fwd(
     contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
     kernels = get_bundle(bundle)
     device = q.device.index
-    entry = runtime_call.select(kernels, _problem(q, k, causal), device)
+    problem = _problem(q, k, causal, window)
+    runtime_call.check_problem(problem)  # the window's sizes, before any allocation
+    entry = runtime_call.select(kernels, problem, device)
     with driver.primary_context(device):
         out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
@@ -267,7 +275,7 @@ def _flash_attn_fwd(
             out.zero_()
             lse.fill_(-math.inf)
             return out, lse
-        prepared = _prepare(kernels, entry, q, k, v, out, causal, softmax_scale)
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale)
         if all(ready is given for ready, given in zip(prepared.inputs, (q, k, v))):
             if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
                 _prepared_launches.clear()
@@ -280,7 +288,7 @@ flash_attn_fwd = torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=(
 
 
 @flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale, bundle, deterministic=False):
+def _flash_attn_fwd_fake(q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic=False):
     _check_inputs(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, heads_q, head_dim))

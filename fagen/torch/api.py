@@ -23,7 +23,6 @@ from .backward import FlashAttention
 # that value is accepted (it changes nothing), any other is refused rather than ignored.
 _UNSUPPORTED_OPTIONS = {
     "dropout_p": (0.0, "fagen's kernels have no dropout"),
-    "window_size": ((-1, -1), "fagen's kernels have no sliding-window mask"),
     "softcap": (0.0, "fagen's kernels do not cap the scores"),
     "alibi_slopes": (None, "fagen's kernels have no ALiBi bias"),
     "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
@@ -61,6 +60,7 @@ def flash_attn_func(
     v: torch.Tensor,
     *extra_positional,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
@@ -74,12 +74,14 @@ def flash_attn_func(
     nheads_q must be a multiple of nheads_kv (GQA/MQA; dk, dv are summed over the query heads a
     K/V head serves). `causal` (a bool) masks bottom-right aligned (query row i sees keys
     j <= i + seqlen_k - seqlen_q, as flash-attn >= 2.1); a row that sees no key gives zeros, LSE
-    -inf and zero gradients. `softmax_scale` defaults to 1/sqrt(head_dim); any finite scale >= 0
+    -inf and zero gradients. `window_size` = (left, right) is flash-attn's sliding window: row i
+    sees keys i + seqlen_k - seqlen_q - left ... i + seqlen_k - seqlen_q + right, -1 (or a size
+    >= seqlen_k) unbounded, right = 0 under causal; the time follows the window, not seqlen_k
+    (local kernels, in the bundle as mask: local). `softmax_scale` defaults to 1/sqrt(head_dim); any finite scale >= 0
     works (0: uniform attention over the keys a row sees); negative, inf and NaN are refused.
     `deterministic` makes the backward sum dQ in a fixed order (the same gradients, bit for bit,
     on every run; slower). `bundle` is a bundle directory or a loaded Bundle; default
-    $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p, window_size, softcap,
-    alibi_slopes and return_attn_probs are accepted only at their "off" values.
+    $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p, softcap, alibi_slopes and return_attn_probs are accepted only at their "off" values.
 
     Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
     LSE (batch, nheads_q, seqlen_q) in float32 (not differentiable).
@@ -88,6 +90,14 @@ def flash_attn_func(
         _check_options(extra_positional, flash_attn_options)
     if not isinstance(causal, bool):
         raise TypeError(f"fagen.flash_attn_func: causal must be True or False, got {causal!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)):
+        raise TypeError(f"fagen.flash_attn_func: window_size must be a pair of ints (left, right), "
+                        f"got {window_size!r}")
+    window_left, window_right = window_size
+    if window_left < -1 or window_right < -1:
+        raise ValueError(f"fagen.flash_attn_func: window_size={tuple(window_size)}: each size must be "
+                         ">= 0, or -1 for unbounded")
     if not isinstance(deterministic, bool):
         raise TypeError(f"fagen.flash_attn_func: deterministic must be True or False, got "
                         f"{deterministic!r}")
@@ -108,9 +118,10 @@ def flash_attn_func(
         and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
     )
     if not eager:
-        out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale, bundle, deterministic)
+        out, lse = flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = FlashAttention.apply(q, k, v, causal, softmax_scale, bundle, deterministic)
+        out, lse = FlashAttention.apply(q, k, v, causal, window_left, window_right, softmax_scale, bundle,
+                                        deterministic)
     else:
-        out, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, bundle)
+        out, lse = _flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle)
     return (out, lse) if return_lse else out

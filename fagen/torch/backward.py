@@ -27,6 +27,8 @@ def _flash_attn_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
+    window_left: int,
+    window_right: int,
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool,
@@ -36,7 +38,7 @@ def _flash_attn_bwd(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    problem = _problem(q, k, causal)
+    problem = _problem(q, k, causal, (window_left, window_right))
     if problem.seqlen_k == 0 or dq.numel() == 0:
         # No score depends on any input: every gradient is zero.
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -65,7 +67,8 @@ flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=(
 
 
 @flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, bundle, deterministic):
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, causal, window_left, window_right, softmax_scale, bundle,
+                         deterministic):
     _check_inputs(q, k, v)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -75,17 +78,17 @@ def _needed(ctx, grads: tuple) -> tuple:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, softmax_scale, bundle, deterministic = inputs
+    q, k, v, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, bundle, deterministic)
+    ctx.options = tuple(options)  # causal, window_left, window_right, softmax_scale, bundle, deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return (*_needed(ctx, grads), None, None, None, None)
+    return (*_needed(ctx, grads), *(None,) * len(ctx.options))
 
 
 flash_attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -96,14 +99,15 @@ class FlashAttention(torch.autograd.Function):
     first call would import torch._dynamo, seconds)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, bundle, deterministic):
-        out, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, bundle)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale, bundle, deterministic), (out, lse))
+    def forward(ctx, q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic):
+        out, lse = _flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle)
+        _setup_context(ctx, (q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic),
+                       (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         grads = _flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
-        return (*_needed(ctx, grads), None, None, None, None)
+        return (*_needed(ctx, grads), *(None,) * len(ctx.options))
 

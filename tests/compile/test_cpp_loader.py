@@ -205,6 +205,23 @@ def test_cpp_scale_rule_matches_python(open_bundle, scale, head_dim):
         assert got == expected
 
 
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("window", ((-1, -1), (-1, 0), (0, 0), (5, -1), (-1, 7), (3, 4), (99, 2), (2, 99),
+                                    (100, 100), (-2, 0), (0, -3)))
+@pytest.mark.parametrize("seqlens", ((50, 99), (99, 50)))
+def test_cpp_mask_rule_matches_python(open_bundle, causal, window, seqlens):
+    from fagen.contract import MaskError, call_mask
+
+    try:
+        mask = call_mask(causal, window, *seqlens)
+        expected = f"{mask.kind} {mask.window_left} {mask.window_right}"
+    except MaskError as exc:
+        expected = f"error: fagen: {exc}"
+    result = run(open_bundle, "--mask", int(causal), *window, *seqlens)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
 def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):
     other = copy_bundle(ci_small[0], tmp_path / "other-abi")
     set_abi_version(other)

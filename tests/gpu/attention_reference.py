@@ -47,13 +47,22 @@ LSE_ATOL = 1e-3
 GRAD_ATOL = 1e-4
 
 
-def visible(seqlen_q, seqlen_k, causal, device):
-    """(seqlen_q, seqlen_k) bool: which keys a query row sees (causal aligned bottom-right)."""
+def visible(seqlen_q, seqlen_k, causal, device, window=(-1, -1)):
+    """(seqlen_q, seqlen_k) bool: which keys a query row sees, by flash-attn's rule for causal and
+    window_size (bottom-right aligned, -1 or a size >= seqlen_k unbounded, causal: right = 0),
+    written out here rather than taken from fagen's contract.call_mask."""
     row = torch.arange(seqlen_q, device=device).view(-1, 1)
     col = torch.arange(seqlen_k, device=device).view(1, -1)
-    if not causal:
-        return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    return col <= row + (seqlen_k - seqlen_q)
+    left, right = (-1 if size >= seqlen_k else size for size in window)
+    if causal:
+        right = 0
+    diagonal = row + (seqlen_k - seqlen_q)
+    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        seen &= col <= diagonal + right
+    if left >= 0:
+        seen &= col >= diagonal - left
+    return seen
 
 
 def heads_first(q, k, v, dtype):
@@ -69,21 +78,21 @@ def fold_heads(grad, heads_kv):
     return grad.view(batch, heads_kv, heads_q // heads_kv, seqlen, dim).sum(2).transpose(1, 2)
 
 
-def attention_math(q, k, v, causal, scale, dtype):
+def attention_math(q, k, v, causal, scale, dtype, window=(-1, -1)):
     """Explicit softmax attention computed in `dtype`; returns out (b, sq, h, d) and LSE (b, h, sq)."""
     qh, kh, vh = heads_first(q, k, v, dtype)
     scores = (qh @ kh.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], causal, q.device), -math.inf)
+    scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], causal, q.device, window), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key: softmax gives NaN, the defined result is 0 (and LSE -inf).
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ vh).transpose(1, 2), lse
 
 
-def math_grads(q, k, v, dout, causal, scale, dtype):
+def math_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1)):
     """out, lse and dq, dk, dv of `attention_math` in `dtype` (torch's autograd), as float."""
     inputs = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out, lse = attention_math(*inputs, causal, scale, dtype)
+    out, lse = attention_math(*inputs, causal, scale, dtype, window)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), [t.grad for t in inputs]
 
@@ -110,7 +119,7 @@ def fp32_scores(qh, kh, split=1):
     return total
 
 
-def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None):
+def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None, window=(-1, -1)):
     """FlashAttention's arithmetic by plain torch in fp32 with `dtype` operands (the module's
     docstring). Returns out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is given,
     each in `dtype` (the LSE in fp32). `given_out` (b, sq, h, d): the backward's D from that
@@ -118,7 +127,7 @@ def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None):
     low = heads_first(q, k, v, dtype)
     qh, kh, vh = (t.float() for t in low)
     scale_log2 = torch.tensor(contract.kernel_scale_log2(scale, q.shape[-1]), dtype=torch.float32).item()
-    hidden = ~visible(q.shape[1], k.shape[1], causal, q.device)
+    hidden = ~visible(q.shape[1], k.shape[1], causal, q.device, window)
     scores = fp32_scores(low[0], low[1]).masked_fill(hidden, -math.inf)
     row_max = scores.amax(-1, keepdim=True)
     reference = torch.where(row_max > -math.inf, row_max * scale_log2, 0.0)  # fp32, as the kernels round it
@@ -162,37 +171,38 @@ def max_error(got, ref, where=None):
     return diff.max().item() if diff.numel() else 0.0
 
 
-def torch_flash(q, k, v, causal, scale, dout=None):
+def torch_flash(q, k, v, causal, scale, dout=None, window=(-1, -1)):
     """torch's FlashAttention-2 kernel on the same inputs, in flash-attn's layout and semantics
     (bottom-right causal, GQA): out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is
     given; None where torch has no such kernel for these inputs (its error names why)."""
     # Fresh storage: torch's kernel faults (a sticky CUDA error) on a view whose data pointer is
     # not 16-byte aligned, which .contiguous() leaves as it is.
     q, k, v = (torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in (q, k, v))
+    sides = {} if tuple(window) == (-1, -1) else {"window_size_left": window[0], "window_size_right": window[1]}
     try:
         out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale)
+            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale, **sides)
         if dout is None:
             return out, lse
         grads = torch.ops.aten._flash_attention_backward(
             torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout), q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
-            seed, offset, scale=scale)
-    except RuntimeError as error:
+            seed, offset, scale=scale, **sides)
+    except (RuntimeError, TypeError) as error:  # TypeError: a torch without window arguments
         if isinstance(error, getattr(torch, "AcceleratorError", ())):
             raise  # a fault, not a refusal: the context is lost, say so here
         return None
     return out, lse, list(grads)
 
 
-def forward_errors(out, lse, q, k, v, causal, scale=None):
+def forward_errors(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
     """{name: (fagen's max error, torch math's, the flash recurrence's, torch's flash kernel's
     (NaN where it has none), the rounded reference's)} for out and lse, or {name: message} for
     what is malformed or not finite; lse may be None."""
     scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
-    ref_out, ref_lse = attention_math(q, k, v, causal, scale, REFERENCE)
-    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype)
-    flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype)
-    kernel = torch_flash(q, k, v, causal, scale)
+    ref_out, ref_lse = attention_math(q, k, v, causal, scale, REFERENCE, window)
+    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype, window)
+    flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype, window=window)
+    kernel = torch_flash(q, k, v, causal, scale, window=window)
     if out.shape != q.shape or out.dtype != q.dtype:
         return {"out": f"shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"}
     if not torch.isfinite(out).all():
@@ -215,17 +225,18 @@ def forward_errors(out, lse, q, k, v, causal, scale=None):
     return errors
 
 
-def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None):
+def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None, window=(-1, -1)):
     """forward_errors' form for dq, dk, dv, with one more computation where `out`, the forward
     output the backward under test was given, is known: the recurrence's backward with D from it;
     a None gradient is not checked."""
     scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
-    _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE)
-    _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype)
-    _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout)
-    kernel = torch_flash(q, k, v, causal, scale, dout.to(q.dtype))
+    _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE, window)
+    _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype, window)
+    _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout, window=window)
+    kernel = torch_flash(q, k, v, causal, scale, dout.to(q.dtype), window)
     kernel_grads = kernel[2] if kernel else [None] * 3
-    given = flash_recurrence(q, k, v, causal, scale, q.dtype, dout, out)[2] if out is not None else [None] * 3
+    given = (flash_recurrence(q, k, v, causal, scale, q.dtype, dout, out, window)[2] if out is not None
+             else [None] * 3)
     errors = {}
     for name, g, r, lo, fl, kg, gv, t in zip(("dq", "dk", "dv"), grads, ref, low, flash, kernel_grads, given,
                                              (q, k, v)):
@@ -262,11 +273,11 @@ def failures_of(errors):
     return failures
 
 
-def forward_failures(out, lse, q, k, v, causal, scale=None):
+def forward_failures(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
     """What of fagen's out and LSE breaks the rule (empty: it passes); lse may be None."""
-    return failures_of(forward_errors(out, lse, q, k, v, causal, scale))
+    return failures_of(forward_errors(out, lse, q, k, v, causal, scale, window))
 
 
-def gradient_failures(grads, q, k, v, dout, causal, scale=None):
+def gradient_failures(grads, q, k, v, dout, causal, scale=None, window=(-1, -1), out=None):
     """What of fagen's (dq, dk, dv) breaks the rule; a None gradient is not checked."""
-    return failures_of(gradient_errors(grads, q, k, v, dout, causal, scale))
+    return failures_of(gradient_errors(grads, q, k, v, dout, causal, scale, out, window))

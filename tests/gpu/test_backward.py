@@ -225,3 +225,25 @@ def test_cuda_graph_of_a_training_step(bundle):
     torch.cuda.synchronize()
     for t, e in zip((q, k, v), expected):
         assert torch.equal(t.grad, e)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+def test_a_row_one_key_takes_has_exactly_zero_score_gradients(bundle, head_dim, dtype):
+    # Each query's own key scores ~1000 above the others (base 2): every other P is 0 in fp32,
+    # O is that key's V row, and D = rowsum(dO * O) must equal the key's dP to the bit (the
+    # preprocess sums D on the tensor cores as the main kernel sums dP, algo/backward_rows.cuh):
+    # then dS = 0 everywhere and dQ, dK are exactly 0, as they are mathematically.
+    require_backward(bundle, dtype, head_dim, False)
+    torch.manual_seed(head_dim)
+    heads, seqlen_k = 3, 200
+    q = torch.randn(2, 1, heads, head_dim, device="cuda").to(dtype)
+    k = torch.randn(2, seqlen_k, heads, head_dim, device="cuda").to(dtype)
+    k[:, 77] = q[:, 0]
+    v = torch.randn(2, seqlen_k, heads, head_dim, device="cuda").to(dtype)
+    dout = torch.randn(2, 1, heads, head_dim, device="cuda").to(dtype)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    dq, dk, dv = fagen_grads(q, k, v, dout, softmax_scale=20.0)
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0, (
+        f"dq, dk: {torch.count_nonzero(dq).item()}, {torch.count_nonzero(dk).item()} nonzero entries")
+    torch.testing.assert_close(dv[:, 77], dout[:, 0], atol=0, rtol=2 ** -7)

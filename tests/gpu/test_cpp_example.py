@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import attention_math, math_grads  # noqa: E402
+from test_fa2_fwd import EVERY_KERNEL_WINDOW  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,8 @@ def run_example(example, key: str, size, seed: int, dump: Path, *extra: str) -> 
             "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed, "--dump", dump, *extra]
     if mask == "causal":
         args.append("--causal")
+    if mask == "local":  # the window test_fa2_fwd runs every local kernel with
+        args += ["--window", *EVERY_KERNEL_WINDOW]
     result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{key} {size}: exit {result.returncode}\n{result.stdout}{result.stderr}"
     return json.loads((dump / "problem.json").read_text())
@@ -107,17 +110,17 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         dtype = DTYPES[problem["dtype"]]
         batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
         heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
-        causal, scale = problem["causal"], problem["softmax_scale"]
+        causal, scale, window = problem["causal"], problem["softmax_scale"], tuple(problem["window_size"])
         q = read_dump(dump, "q", (batch, seqlen_q, heads_q, head_dim), dtype)
         k = read_dump(dump, "k", (batch, seqlen_k, heads_kv, head_dim), dtype)
         v = read_dump(dump, "v", (batch, seqlen_k, heads_kv, head_dim), dtype)
         out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim), dtype)
         lse_cpp = read_dump(dump, "lse", (batch, heads_q, seqlen_q), torch.float32)
 
-        out_torch, lse_torch = flash_attn_func(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+        out_torch, lse_torch = flash_attn_func(q, k, v, causal=causal, window_size=window, softmax_scale=scale, return_lse=True,
                                                bundle=bundle)
-        ref, _ = attention_math(q, k, v, causal, scale, torch.float32)
-        low, _ = attention_math(q, k, v, causal, scale, dtype)
+        ref, _ = attention_math(q, k, v, causal, scale, torch.float32, window)
+        low, _ = attention_math(q, k, v, causal, scale, dtype, window)
         low_error = (low.float() - ref).abs().max().item()
         cpp_error = (out_cpp.float() - ref).abs().max().item()
         torch_error = (out_torch.float() - ref).abs().max().item()
@@ -150,15 +153,15 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
         dtype = DTYPES[problem["dtype"]]
         batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
         heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
-        causal, scale = problem["causal"], problem["softmax_scale"]
+        causal, scale, window = problem["causal"], problem["softmax_scale"], tuple(problem["window_size"])
         q_shape, kv_shape = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim)
         q, dout, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dout", "dq"))
         k, v, dk_cpp, dv_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "v", "dk", "dv"))
 
-        ref = [g.float() for g in math_grads(q, k, v, dout, causal, scale, torch.float32)[2]]
-        low = [g.float() for g in math_grads(q, k, v, dout, causal, scale, dtype)[2]]
+        ref = [g.float() for g in math_grads(q, k, v, dout, causal, scale, torch.float32, window)[2]]
+        low = [g.float() for g in math_grads(q, k, v, dout, causal, scale, dtype, window)[2]]
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = flash_attn_func(*leaves, causal=causal, softmax_scale=scale, bundle=bundle)
+        out = flash_attn_func(*leaves, causal=causal, window_size=window, softmax_scale=scale, bundle=bundle)
         ours = [g.float() for g in torch.autograd.grad(out, leaves, dout)]
         for name, cpp, r, lo, t in zip(("dq", "dk", "dv"), (dq_cpp, dk_cpp, dv_cpp), ref, low, ours):
             low_error = (lo - r).abs().max().item()

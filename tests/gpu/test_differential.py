@@ -3,7 +3,9 @@
 Each case draws a whole call at random: batch, seqlen_q and seqlen_k (1, a few, one past a tile,
 one much larger than the other), head dim, GQA ratio, dtype, causal, deterministic, softmax_scale,
 the size of q and k (x1 to x16, sometimes with outliers x100), the layout (contiguous, a
-transposed view, sliced heads) and which inputs need gradients. Outputs and gradients are
+transposed view, sliced heads), which inputs need gradients and, where the bundle has local
+kernels, a sliding window in a quarter of the cases (drawn last, from a generator of its own, so
+that the other fields of a seed are what they were before windows). Outputs and gradients are
 poisoned before their launches; the rules are attention_reference's (2x / 3x, everything
 finite).
 
@@ -61,6 +63,7 @@ class Case:
     outliers: bool
     layout: str
     grads: str  # "qkv" or "q": which inputs need gradients
+    window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
 
     def line(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -80,7 +83,25 @@ def draw_seqlen(rng: random.Random) -> int:
     return rng.randint(9, 700)
 
 
-def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]]) -> Case:
+def draw_window(rng: random.Random, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """A window: each side unbounded, 0, a few keys, about a tile, or a fraction of the keys."""
+    def side():
+        kind = rng.random()
+        if kind < 0.2:
+            return -1
+        if kind < 0.35:
+            return 0
+        if kind < 0.55:
+            return rng.randint(1, 8)
+        if kind < 0.75:
+            return rng.choice(TILE_EDGES)
+        return rng.randint(0, max(seqlen_q, seqlen_k))
+    window = (side(), side())
+    return window if window != (-1, -1) else (rng.randint(0, 300), -1)
+
+
+def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]],
+              local: frozenset[tuple[str, int]] = frozenset()) -> Case:
     rng = random.Random(seed)
     dtype, causal = rng.choice(sorted(head_dims))
     seqlen_q, seqlen_k = draw_seqlen(rng), draw_seqlen(rng)
@@ -94,11 +115,15 @@ def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]]) -> Case:
     magnitude = rng.choice((1.0, 1.0, 2.0, 4.0, 8.0, 16.0))
     kind = rng.random()
     scale = None if kind < 0.6 else (0.0 if kind < 0.63 else round(math.exp(rng.uniform(math.log(0.02), math.log(2.0))), 4))
-    return Case(
+    case = Case(
         seed=seed, batch=rng.randint(1, 3), seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_kv=heads_kv,
         group=group, head_dim=rng.choice(head_dims[(dtype, causal)]), dtype=dtype, causal=causal,
         deterministic=rng.random() < 0.2, softmax_scale=scale, magnitude=magnitude,
         outliers=rng.random() < 0.15, layout=rng.choice(LAYOUTS), grads="qkv" if rng.random() < 0.85 else "q")
+    windows = random.Random(f"window {seed}")
+    if (dtype, case.head_dim) in local and windows.random() < 0.25:
+        case = dataclasses.replace(case, window=draw_window(windows, seqlen_q, seqlen_k))
+    return case
 
 
 def make_input(case: Case, seqlen: int, heads: int, gen: torch.Generator, magnitude: float) -> torch.Tensor:
@@ -130,19 +155,21 @@ def run_case(case: Case, bundle) -> list[str]:
     if case.grads == "qkv":
         k.requires_grad_(True)
         v.requires_grad_(True)
-    kwargs = dict(causal=case.causal, softmax_scale=case.softmax_scale, deterministic=case.deterministic,
-                  bundle=bundle)
+    window = tuple(case.window)
+    kwargs = dict(causal=case.causal, window_size=window, softmax_scale=case.softmax_scale,
+                  deterministic=case.deterministic, bundle=bundle)
     poison_allocator((q.shape, q.dtype), ((case.batch, heads_q, case.seqlen_q), torch.float32))
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kwargs)
     torch.cuda.synchronize()
-    errors = forward_errors(out.detach(), lse, q.detach(), k.detach(), v.detach(), case.causal, case.softmax_scale)
+    errors = forward_errors(out.detach(), lse, q.detach(), k.detach(), v.detach(), case.causal, case.softmax_scale,
+                            window)
     inputs = [t for t in (q, k, v) if t.requires_grad]
     poison_allocator(*((t.shape, t.dtype) for t in inputs))
     got = torch.autograd.grad(out, inputs, dout)
     torch.cuda.synchronize()
     grads = list(got) + [None] * (3 - len(got))
     errors.update(gradient_errors(grads, q.detach(), k.detach(), v.detach(), dout, case.causal, case.softmax_scale,
-                                  out.detach()))
+                                  out.detach(), window))
     log = os.environ.get("FAGEN_DIFFERENTIAL_LOG")
     if log:  # every case's errors, one JSON line each: the data behind the rule's margins
         with open(log, "a") as f:
@@ -183,34 +210,45 @@ def shrink(case: Case, failures: list[str], bundle, budget: int = 40) -> tuple[C
     return case, failures
 
 
+def _has_kernels(bundle, dtype: str, head_dim: int, mask: str) -> bool:
+    """Whether the bundle has a forward and a backward kernel of `mask` for this device."""
+    try:
+        for direction in ("fwd", "bwd"):
+            bundle.select(contract.kernel_key(direction, dtype, head_dim, mask), torch.cuda.get_device_capability())
+    except KernelNotFound:
+        return False
+    return True
+
+
 def head_dims_of(bundle) -> dict[tuple[str, bool], list[int]]:
     """Per (dtype, causal), the head dims with a forward and a backward kernel for this device."""
-    cc = torch.cuda.get_device_capability()
     found: dict[tuple[str, bool], list[int]] = {}
     for dtype in DTYPE_BY_NAME:
         for causal in (False, True):
             for head_dim in (64, 96, 128, 192, 256):
-                try:
-                    for direction in ("fwd", "bwd"):
-                        bundle.select(contract.kernel_key(direction, dtype, head_dim, causal), cc)
-                except KernelNotFound:
-                    continue
-                found.setdefault((dtype, causal), []).append(head_dim)
+                if _has_kernels(bundle, dtype, head_dim, "causal" if causal else "full"):
+                    found.setdefault((dtype, causal), []).append(head_dim)
     return found
+
+
+def local_of(bundle) -> frozenset[tuple[str, int]]:
+    """The (dtype, head_dim) pairs with local (sliding-window) kernels for this device."""
+    return frozenset((dtype, head_dim) for dtype in DTYPE_BY_NAME for head_dim in (64, 96, 128, 192, 256)
+                     if _has_kernels(bundle, dtype, head_dim, "local"))
 
 
 def test_randomized_differential(bundle, request):
     cases = request.config.getoption("--differential-cases")
     seconds = request.config.getoption("--differential-seconds")
     first = request.config.getoption("--differential-seed")
-    head_dims = head_dims_of(bundle)
+    head_dims, local = head_dims_of(bundle), local_of(bundle)
     if not head_dims:
         pytest.skip("the bundle has no forward + backward kernels for this device")
     start, ran, failed = time.monotonic(), 0, []
     for seed in range(first, first + cases):
         if time.monotonic() - start > seconds:
             break
-        case = draw_case(seed, head_dims)
+        case = draw_case(seed, head_dims, local)
         ran += 1
         failures = run_case(case, bundle)
         if failures:

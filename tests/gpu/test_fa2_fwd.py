@@ -33,9 +33,15 @@ LONG_SIZE = (1, 4097, 4097)
 HEADS = 3
 
 
+def mask_name(causal) -> str:
+    """A mask kind (contract.MASKS) from a causal flag, or the kind itself."""
+    return {False: "full", True: "causal"}.get(causal, causal) if isinstance(causal, bool) else causal
+
+
 def require_kernel(bundle, dtype, head_dim, causal, direction="fwd"):
+    """Skips unless the bundle has the kernel; `causal`: a bool or a mask kind."""
     key = contract.kernel_key(direction, {v: k for k, v in DTYPE_BY_NAME.items()}[dtype], head_dim,
-                              causal)
+                              mask_name(causal))
     try:
         bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:
@@ -68,8 +74,8 @@ def run_poisoned(q, k, v, **kwargs):
     return out, lse
 
 
-def assert_close_to_reference(out, lse, q, k, v, causal, scale=None):
-    failures = forward_failures(out, lse, q, k, v, causal, scale)
+def assert_close_to_reference(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
+    failures = forward_failures(out, lse, q, k, v, causal, scale, window)
     assert not failures, "; ".join(failures)
 
 
@@ -129,7 +135,8 @@ def runnable_entries(bundle):
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): GQA, rows that see no key under the causal
-# mask, many keys per query block.
+# mask, many keys per query block. A local kernel runs with EVERY_KERNEL_WINDOW.
+EVERY_KERNEL_WINDOW = (150, 70)
 EVERY_KERNEL_SIZES = ((2, 300, 300, 4, 2), (1, 1000, 257, 3, 3), (2, 257, 1000, 3, 3))
 
 
@@ -146,14 +153,15 @@ def test_every_kernel_of_the_bundle(bundle, size):
     for entry in entries:
         _, dtype_name, head_dim, mask = entry.key.split("/")
         dtype, head_dim, causal = DTYPE_BY_NAME[dtype_name], int(head_dim[2:]), mask == "causal"
+        window = EVERY_KERNEL_WINDOW if mask == "local" else (-1, -1)
         torch.manual_seed(seqlen_q + head_dim)
         q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
         out = torch.full((batch, seqlen_q, heads_q, head_dim), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, heads_q, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
-        prepare_launch(bundle, entry, q, k, v, out, lse)()
+        prepare_launch(bundle, entry, q, k, v, out, lse, window_size=window)()
         torch.cuda.synchronize()
         try:
-            assert_close_to_reference(out, lse, q, k, v, causal)
+            assert_close_to_reference(out, lse, q, k, v, causal, window=window)
         except AssertionError as exc:
             raise AssertionError(f"{entry.name}: {exc}") from None
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_fa2_fwd import (  # noqa: E402
-    assert_close_to_reference, random_qkv, require_kernel, run_poisoned, runnable_entries,
+    EVERY_KERNEL_WINDOW, assert_close_to_reference, random_qkv, require_kernel, run_poisoned, runnable_entries,
 )
 from fagen.torch import flash_attn_func  # noqa: E402
 
@@ -47,14 +47,15 @@ def test_softmax_scale_zero_is_uniform_attention_in_every_kernel(bundle, size, s
         _, dtype_name, head_dim, mask = entry.key.split("/")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
         head_dim, causal = int(head_dim[2:]), mask == "causal"
+        window = EVERY_KERNEL_WINDOW if mask == "local" else (-1, -1)
         torch.manual_seed(seqlen_q + head_dim)
         q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
         out = torch.full((batch, seqlen_q, 4, head_dim), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, 4, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
-        prepare_launch(bundle, entry, q, k, v, out, lse, scale)()
+        prepare_launch(bundle, entry, q, k, v, out, lse, scale, window)()
         torch.cuda.synchronize()
         try:
-            assert_close_to_reference(out, lse, q, k, v, causal, scale=0.0)
+            assert_close_to_reference(out, lse, q, k, v, causal, scale=0.0, window=window)
         except AssertionError as exc:
             raise AssertionError(f"{entry.name}: {exc}") from None
 

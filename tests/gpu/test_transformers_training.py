@@ -1,6 +1,7 @@
 """fagen inside a real client: a randomly initialised Llama-style model of Hugging Face
-transformers with attn_implementation="fagen", against the same model on "sdpa" and in fp32
-eager attention. Skips without transformers."""
+transformers with attn_implementation="fagen", and a Mistral-style one with a sliding window of
+256 keys over 1024, against the same model on "sdpa" and in fp32 eager attention. Skips without
+transformers."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ pytestmark = [
 ]
 
 
-def model(attn: str, seqlen: int):
+def model(attn: str, seqlen: int, family: str = "llama"):
     import fagen.integrations.transformers  # noqa: F401  (registers "fagen")
 
-    config = transformers.LlamaConfig(
-        vocab_size=576, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, intermediate_size=1376, max_position_embeddings=seqlen,
-        attention_dropout=0.0, tie_word_embeddings=False)
+    sizes = dict(vocab_size=576, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=1376, max_position_embeddings=seqlen,
+                 attention_dropout=0.0, tie_word_embeddings=False)
+    if family == "mistral":
+        config = transformers.MistralConfig(**sizes, sliding_window=256)
+    else:
+        config = transformers.LlamaConfig(**sizes)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).cuda()
 
@@ -41,14 +45,15 @@ def test_attention_gradients_at_the_models_shapes(bundle):
     assert_grads_close(q, k, v, dout, True, scale=1 / math.sqrt(64))
 
 
-def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle):
-    require_backward(bundle, torch.bfloat16, 64, True)
+@pytest.mark.parametrize("family", ("llama", "mistral"))
+def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle, family):
+    require_backward(bundle, torch.bfloat16, 64, True if family == "llama" else "local")
     seqlen = 1024
     tokens = torch.randint(0, 576, (4, seqlen + 1), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))
     grads = {}
     for attn in ("fagen", "sdpa", "eager"):
-        net = model(attn, seqlen)
+        net = model(attn, seqlen, family)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=attn != "eager"):
             logits = net(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

@@ -4,6 +4,7 @@ parameters and the TMA maps, and launches through the (fake) driver."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import subprocess
 import sys
 
@@ -169,3 +170,35 @@ def test_the_backward_workspace_pads_the_accumulator_rows_per_head():
     assert layout.floats == accum + 2 * 2 * 4 * 300
     assert layout.semaphores == 2 * 4 * 5
     assert contract.dq_accum_rows(16) == 16 and contract.dq_accum_rows(17) == 32
+
+
+def test_a_window_selects_the_local_kernel_and_fills_its_sizes(tmp_path, fake):
+    local = kernel_entry("sm90", "fwd/bf16/hd128/local")
+    bundle = load(write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY), local]))
+    problem = dataclasses.replace(PROBLEM, causal=True, window_size=(100, -1))
+    prepared = prepare(bundle, problem, Q, K, V, OUT)
+    assert prepared.kernel.entry.key == "fwd/bf16/hd128/local"
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.window_left, p.window_right) == (100, 0)
+    with pytest.raises(AttentionError, match=r"window_size=\(-3, 0\): each size must be >= 0"):
+        prepare(bundle, dataclasses.replace(PROBLEM, window_size=(-3, 0)), Q, K, V, OUT)
+    # A window as wide as the keys is no window: the causal (here: full) kernel serves it.
+    assert dataclasses.replace(PROBLEM, window_size=(500, 500)).key == PROBLEM.key
+
+
+@pytest.mark.parametrize("causal, window, seqlens, expected", [
+    (False, (-1, -1), (10, 10), ("full", 0, 0)),
+    (True, (-1, -1), (10, 10), ("causal", 0, 0)),
+    (False, (-1, 0), (10, 10), ("causal", 0, 0)),
+    (True, (4, 7), (10, 10), ("local", 4, 0)),
+    (False, (3, 3), (10, 20), ("local", 3, 3)),
+    (False, (3, -1), (10, 20), ("local", 3, 30)),
+    (False, (-1, 5), (10, 20), ("local", 30, 5)),
+    (False, (20, 20), (10, 20), ("full", 0, 0)),   # sizes >= seqlen_k are unbounded (flash-attn)
+    (True, (19, 0), (30, 20), ("local", 19, 0)),
+])
+def test_the_mask_rule_is_flash_attns(causal, window, seqlens, expected):
+    from fagen.contract import call_mask
+
+    mask = call_mask(causal, window, *seqlens)
+    assert (mask.kind, mask.window_left, mask.window_right) == expected

@@ -181,7 +181,7 @@ def test_sm80_only_bundle_does_not_serve_hopper(tmp_path):
     assert KEY in message and "9.0" in message
     assert "sm80 (fa2): fwd/bf16/hd{64,128}/causal, fwd/fp16/hd64/full" in message
     assert "built only for sm80" in message
-    assert "{fa_version: 2, arch: sm90, direction: fwd, dtype: bf16, head_dim: 128, causal: true}" in message
+    assert "{fa_version: 2, arch: sm90, direction: fwd, dtype: bf16, head_dim: 128, mask: causal}" in message
     assert f"fagen build SPEC -o {bundle.path}" in message
 
 
@@ -191,7 +191,7 @@ def test_missing_head_dim_message(hopper_bundle):
     message = str(info.value)
     assert "'fwd/bf16/hd96/full'" in message and "9.0" in message
     assert "sm90a (fa3): fwd/bf16/hd128/causal" in message
-    assert "head_dim: 96, causal: false}" in message
+    assert "head_dim: 96, mask: full}" in message
     assert "built only for" not in message
 
 

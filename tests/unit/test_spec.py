@@ -330,3 +330,26 @@ def test_fa3_mma_row_sum_is_refused_past_the_widest_wgmma():
     tile = {**FA3_TILE, "block_n": 64, "block_m": 128, "warps": 12, "mma_row_sum": True}
     text = error_text(fa_version=3, arch="sm90a", head_dim=256, tile=tile)
     assert "mma_row_sum" in text and "264" in text
+
+
+def test_mask_field_and_causal_shorthand():
+    assert spec(causal=True).mask == "causal" and spec(causal=False).mask == "full"
+    local = spec(mask="local")
+    assert local.mask == "local" and local.lookup_key == "fwd/bf16/hd128/local"
+    assert "_local_" in local.name and "causal" not in local.canonical_json()
+    # full and causal keep the names they had before masks had kinds (test_name_is_pinned)
+    assert '"causal":true' in spec(mask="causal").canonical_json()
+    assert spec(mask="causal").name == spec(causal=True).name
+    with pytest.raises(pydantic.ValidationError, match="causal=true and mask=local disagree"):
+        spec(causal=True, mask="local")
+    with pytest.raises(pydantic.ValidationError, match="mask"):
+        spec(mask="sliding")
+
+
+def test_fa1_and_fa4_name_the_masks_they_lack():
+    with pytest.raises(pydantic.ValidationError, match="fa_version=1 fwd has the full, causal masks only"):
+        KernelSpec.model_validate({"fa_version": 1, "arch": "sm80", "dtype": "bf16", "head_dim": 64,
+                                   "mask": "local"})
+    with pytest.raises(pydantic.ValidationError, match="fa_version=4 fwd has the full, causal masks only"):
+        KernelSpec.model_validate({"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128,
+                                   "mask": "local"})

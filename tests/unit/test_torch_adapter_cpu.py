@@ -20,8 +20,9 @@ def _qkv(batch=2, seqlen_q=5, seqlen_k=7, heads_q=4, heads_kv=2, head_dim=64, dt
 
 
 def test_kernel_key():
-    assert kernel_key(torch.bfloat16, 128, True) == "fwd/bf16/hd128/causal"
-    assert kernel_key(torch.float16, 64, False) == "fwd/fp16/hd64/full"
+    assert kernel_key(torch.bfloat16, 128, "causal") == "fwd/bf16/hd128/causal"
+    assert kernel_key(torch.float16, 64, "full") == "fwd/fp16/hd64/full"
+    assert kernel_key(torch.float16, 64, "local") == "fwd/fp16/hd64/local"
 
 
 @pytest.mark.parametrize(
@@ -127,8 +128,9 @@ def test_tensors_reach_the_runtime_with_their_kernel_strides():
     q = torch.randn(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2)  # (2, 33, 4, 64) view
     k = torch.randn(2, 50, 1, 64, dtype=torch.float16)
     assert adapter._tensor(q) == adapter.runtime_call.Tensor(q.data_ptr(), 4 * 33 * 64, 64, 33 * 64)
-    assert adapter._problem(q, k, True) == adapter.runtime_call.Problem(
+    assert adapter._problem(q, k, True, (-1, -1)) == adapter.runtime_call.Problem(
         "fp16", True, 2, 33, 50, 4, 1, 64)
+    assert adapter._problem(q, k, False, (8, 0)).window_size == (8, 0)
 
 
 def test_broadcast_is_copied_for_tma_kernels():
@@ -143,7 +145,7 @@ def _without_device(monkeypatch, prepared_inputs):
     launch are replaced; returns the list of preparations and the list of launches."""
     preparations, launches = [], []
 
-    def prepare(kernels, entry, q, k, v, out, causal, softmax_scale):
+    def prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale):
         preparations.append((q, k, v))
         return adapter._PreparedLaunch(FakePrepared(), prepared_inputs(q, k, v))
 
@@ -164,11 +166,12 @@ def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
     preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q, k, v))
     q, k, v = _qkv()
     for _ in range(3):
-        adapter._flash_attn_fwd(q, k, v, True, None, None)
+        adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
     assert len(preparations) == 1 and len(launches) == 3
-    adapter._flash_attn_fwd(q, k, v, False, None, None)  # another mask: prepared anew
-    adapter._flash_attn_fwd(q.clone(), k, v, True, None, None)  # another address: prepared anew
-    assert len(preparations) == 3
+    adapter._flash_attn_fwd(q, k, v, False, -1, -1, None, None)  # another mask: prepared anew
+    adapter._flash_attn_fwd(q, k, v, True, 3, -1, None, None)  # another window: prepared anew
+    adapter._flash_attn_fwd(q.clone(), k, v, True, -1, -1, None, None)  # another address: prepared anew
+    assert len(preparations) == 4
     kept = list(adapter._prepared_launches.values())
     assert kept and all(p.inputs == () for p in kept), "a kept launch must not hold the inputs"
 
@@ -176,8 +179,8 @@ def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
 def test_a_call_that_copied_its_inputs_is_not_kept(monkeypatch):
     preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q.clone(), k, v))
     q, k, v = _qkv()
-    adapter._flash_attn_fwd(q, k, v, True, None, None)
-    adapter._flash_attn_fwd(q, k, v, True, None, None)
+    adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
+    adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
     assert len(preparations) == 2 and not adapter._prepared_launches
 
 
@@ -198,7 +201,7 @@ def test_causal_must_be_a_bool(causal):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("dropout_p", 0.1), ("window_size", (128, 0)), ("softcap", 30.0),
+    ("dropout_p", 0.1), ("softcap", 30.0),
     ("alibi_slopes", torch.ones(4)), ("return_attn_probs", True),
 ])
 def test_unsupported_flash_attn_options_are_refused(name, value):
@@ -213,6 +216,21 @@ def test_unsupported_flash_attn_options_are_refused(name, value):
 def test_flash_attn_options_at_their_off_value_change_nothing(name, value):
     with pytest.raises(ValueError, match="CUDA tensors"):  # got as far as the device check
         flash_attn_func(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("window, error, match", [
+    ((1, 2, 3), TypeError, "window_size must be a pair of ints"), ((1.5, 0), TypeError, "pair of ints"),
+    ((True, 0), TypeError, "pair of ints"), ((-2, 0), ValueError, r"each size must be >= 0, or -1"),
+])
+def test_malformed_window_is_refused(window, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*_qkv(), window_size=window)
+
+
+@pytest.mark.parametrize("window", [(128, 0), (0, 0), (3, 7), (-1, 4)])
+def test_a_window_gets_as_far_as_the_device_check(window):
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_attn_func(*_qkv(), window_size=window)
 
 
 def test_unknown_keyword_is_a_type_error():

@@ -5,6 +5,8 @@ tests skip without it (CI); the import checks run everywhere."""
 
 from __future__ import annotations
 
+import copy
+
 import os
 import subprocess
 import sys
@@ -68,7 +70,7 @@ def kernel(tf, monkeypatch):
 
     calls = []
 
-    def reference(q, k, v, *, causal=False, softmax_scale=None, **options):
+    def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), **options):
         calls.append({"q": q, "k": k, "v": v, "causal": causal, "scale": softmax_scale, "options": options})
         assert q.dim() == k.dim() == v.dim() == 4
         assert q.shape[0] == k.shape[0] == v.shape[0]
@@ -80,9 +82,19 @@ def kernel(tf, monkeypatch):
         assert softmax_scale == pytest.approx(HEAD_DIM ** -0.5)
         assert q.dtype == k.dtype == v.dtype
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        options = {**options, "window_size": window_size} if tuple(window_size) != (-1, -1) else options
+        calls[-1]["options"] = options
+        left, right = window_size
+        right = 0 if causal else right
+        row = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q  # flash-attn's bottom-right alignment
+        col = torch.arange(seqlen_k)[None, :]
         mask = None
-        if causal:  # flash-attn's bottom-right alignment
-            mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).tril(seqlen_k - seqlen_q)
+        if right >= 0 or left >= 0:
+            mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+            if right >= 0:
+                mask &= col <= row + right
+            if left >= 0:
+                mask &= col >= row - left
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
@@ -238,18 +250,22 @@ def test_unsupported_head_dim_is_refused(kernel):
         model(_tokens())
 
 
-def test_sliding_window_is_refused_when_it_masks_something(kernel):
+def test_sliding_window_runs_as_flash_attns_window(kernel):
     import torch
     from transformers import AutoModelForCausalLM, MistralConfig
 
     config = MistralConfig(vocab_size=97, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=1,
                            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, intermediate_size=64,
                            sliding_window=8)
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="fagen").eval()
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(model.state_dict())
+    tokens = _tokens(seqlen=21)
     with torch.no_grad():
-        model(_tokens(seqlen=8))  # a window of 8 over 8 keys masks nothing
-    with pytest.raises(NotImplementedError, match="sliding"):
-        model(_tokens(seqlen=9))
+        got, expected = model(tokens).logits, sdpa(tokens).logits
+    assert kernel[-1]["causal"] is True and kernel[-1]["options"]["window_size"] == (7, 7)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_direct_call_refusals(tf, kernel):
@@ -272,7 +288,6 @@ def test_direct_call_refusals(tf, kernel):
     assert kernel[-1]["causal"] is False, "the module's is_causal, when the call has none"
     module.is_causal = True
     for options, match in [({"softcap": 30.0}, "softcap"), ({"dropout": 0.1}, "dropout"),
-                           ({"sliding_window": 4}, "sliding window"),
                            ({"s_aux": torch.zeros(HEADS)}, "sinks"),
                            ({"output_attentions": True}, "output_attentions")]:
         with pytest.raises(NotImplementedError, match=match):
@@ -319,7 +334,9 @@ def test_mask_function(tf):
     window = {**decode, "allow_is_causal_skip": True,
               "mask_function": masking_utils.sliding_window_causal_mask_function(11)}
     assert tf.fagen_mask(**window, local_size=11) is None  # a window of 11 over 11 keys masks nothing
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    narrow = {**window, "mask_function": masking_utils.sliding_window_causal_mask_function(10)}
+    assert tf.fagen_mask(**narrow, local_size=10) is None  # a window the attention function runs
+    with pytest.raises(NotImplementedError, match="sliding-window or chunked"):  # not the window of local_size
         tf.fagen_mask(**window, local_size=10)
     overlay = masking_utils.and_masks(causal, lambda b, h, q, kv: kv >= 0)
     with pytest.raises(NotImplementedError, match="other than plain causal"):

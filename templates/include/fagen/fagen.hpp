@@ -387,14 +387,42 @@ enum class DType { fp16, bf16 };
 
 inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
 
-// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key).
-inline std::string forward_key(DType dtype, int head_dim, bool causal) {
-    return kernel_key("fwd", dtype_name(dtype), head_dim, causal);
+// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key); mask:
+// one of FAGEN_MASK_NAMES.
+inline std::string forward_key(DType dtype, int head_dim, const char* mask) {
+    return kernel_key("fwd", dtype_name(dtype), head_dim, mask);
 }
 
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
-inline std::string backward_key(DType dtype, int head_dim, bool causal) {
-    return kernel_key("bwd", dtype_name(dtype), head_dim, causal);
+inline std::string backward_key(DType dtype, int head_dim, const char* mask) {
+    return kernel_key("bwd", dtype_name(dtype), head_dim, mask);
+}
+
+// The mask of a call: its kind (one of FAGEN_MASK_NAMES) and the window sizes its kernel is
+// launched with (params.h: window_left, window_right).
+struct CallMask {
+    const char* kind;
+    int window_left = 0;
+    int window_right = 0;
+};
+
+// flash-attn's rule for causal and window_size = (left, right), as fagen/contract.py's call_mask
+// (the same results and message): -1, or a size >= seqlen_k, is unbounded; causal sets right = 0;
+// no edge is the full mask, right = 0 alone the causal one, anything else local, with an
+// unbounded edge launched as seqlen_q + seqlen_k.
+inline Result<CallMask> call_mask(bool causal, int window_left, int window_right, int seqlen_q, int seqlen_k) {
+    static const char* const names[] = FAGEN_MASK_NAMES;
+    if (window_left < -1 || window_right < -1) {
+        return Status::error("fagen: window_size=(" + std::to_string(window_left) + ", " + std::to_string(window_right) +
+                             "): each size must be >= 0, or -1 for unbounded");
+    }
+    int left = window_left >= seqlen_k ? -1 : window_left;
+    int right = window_right >= seqlen_k ? -1 : window_right;
+    if (causal) right = 0;
+    if (left < 0 && right < 0) return CallMask{names[FAGEN_MASK_FULL]};
+    if (left < 0 && right == 0) return CallMask{names[FAGEN_MASK_CAUSAL]};
+    const int unbounded = seqlen_q + seqlen_k;
+    return CallMask{names[FAGEN_MASK_LOCAL], left < 0 ? unbounded : left, right < 0 ? unbounded : right};
 }
 
 // The scale_log2 (params.h) a call with `softmax_scale` launches with (nullopt: 1/sqrt(head_dim)):
@@ -450,10 +478,12 @@ struct Strides {
 // One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k and v
 // (batch, seqlen_k, heads_kv, head_dim), out like q, optional lse (batch, heads_q, seqlen_q)
 // fp32, all device pointers. Strides default to contiguous. `causal` masks bottom-right aligned
-// (query row i sees keys j <= i + seqlen_k - seqlen_q); a row that sees no key gives zeros.
+// (query row i sees keys j <= i + seqlen_k - seqlen_q); window_left / window_right are
+// flash-attn's window_size (call_mask; -1: unbounded); a row that sees no key gives zeros.
 struct Attention {
     DType dtype = DType::bf16;
     bool causal = false;
+    int window_left = -1, window_right = -1;
     int batch = 0, seqlen_q = 0, seqlen_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
     CUdeviceptr q = 0, k = 0, v = 0, out = 0;
     CUdeviceptr lse = 0;  // 0: not written
@@ -726,7 +756,9 @@ public:
         if (Status s = check_grid_limits(a); !s.ok()) return s;
         const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
         if (!scale_log2.ok()) return scale_log2.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
+        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        if (!mask.ok()) return mask.status();
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
@@ -747,7 +779,7 @@ public:
         p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
         p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
         p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
-        fill_problem(p, a, scale_log2.value());
+        fill_problem(p, a, scale_log2.value(), mask.value());
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
@@ -773,7 +805,9 @@ public:
         return sizeof(float) * static_cast<size_t>(dq_accum_floats(a) + 2 * rows);
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
+        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        if (!mask.ok()) return mask.status();
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const long long blocks = (a.seqlen_q + kernel.value()->info().block_m - 1) / kernel.value()->info().block_m;
         return sizeof(int) * static_cast<size_t>(a.batch) * a.heads_q * blocks;
@@ -796,7 +830,9 @@ public:
         }
         const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
         if (!scale_log2.ok()) return scale_log2.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.causal), a.seqlen_k);
+        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        if (!mask.ok()) return mask.status();
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const auto [q, k, v, o] = strides_of(a);
         const Strides dout = a.dout_strides.value_or(o);
@@ -835,7 +871,7 @@ public:
             field[1] = tensor->row;
             field[2] = tensor->head;
         }
-        fill_problem(p, a, scale_log2.value());
+        fill_problem(p, a, scale_log2.value(), mask.value());
         p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
                                                       : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
         if (!tma) return kernel.value()->launch_backward(p, nullptr, stream);
@@ -945,9 +981,9 @@ private:
     }
 
     // The fields FagenFwdParams and FagenBwdParams share: the LSE's layout (batch, heads_q,
-    // seqlen_q contiguous), the sizes and the scale.
+    // seqlen_q contiguous), the sizes, the scale and the mask's window.
     template <class Params>
-    static void fill_problem(Params& p, const Attention& a, float scale_log2) {
+    static void fill_problem(Params& p, const Attention& a, float scale_log2, const CallMask& mask) {
         p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
         p.lse_head_stride = a.seqlen_q;
         p.batch = a.batch;
@@ -956,6 +992,8 @@ private:
         p.seqlen_q = a.seqlen_q;
         p.seqlen_k = a.seqlen_k;
         p.scale_log2 = scale_log2;
+        p.window_left = mask.window_left;
+        p.window_right = mask.window_right;
     }
 
     // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8

@@ -6,7 +6,8 @@
 #pragma once
 
 // 2: FagenBwdParams.dq_accum's rows padded per (batch, head).
-#define FAGEN_ABI_VERSION 2
+// 3: window_left, window_right.
+#define FAGEN_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -37,6 +38,12 @@ typedef struct FagenFwdParams {
 
     // softmax_scale * log2(e): the kernels work in base 2 with the scale folded in.
     float scale_log2;
+    // The band of keys a query row sees under a local mask (algo/mask.cuh): row i sees keys
+    // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; both >= 0,
+    // an unbounded edge as seqlen_q + seqlen_k (fagen/contract.py: call_mask). Other masks
+    // ignore them.
+    int window_left;
+    int window_right;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
@@ -79,6 +86,8 @@ typedef struct FagenBwdParams {
     int seqlen_k;
 
     float scale_log2;     // as in FagenFwdParams
+    int window_left;      // as in FagenFwdParams
+    int window_right;
     float softmax_scale;  // dQ and dK are softmax_scale * (dS K), softmax_scale * (dS^T Q)
 } FagenBwdParams;
 

@@ -6,6 +6,9 @@
 //                                       (for calls with SEQLEN_K keys; "none")
 //   open_bundle --scale SCALE|default HEAD_DIM
 //                                       print kernel_scale_log2's value (%.9g) or its error
+//   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
+//                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
+//                                       its error
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +24,16 @@ int main(int argc, char** argv) {
             std::printf("error: %s\n", scale_log2.status().message().c_str());
         } else {
             std::printf("%.9g\n", static_cast<double>(scale_log2.value()));
+        }
+        return 0;
+    }
+    if (argc == 7 && std::strcmp(argv[1], "--mask") == 0) {
+        const fagen::Result<fagen::CallMask> mask = fagen::call_mask(
+            std::atoi(argv[2]) != 0, std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6]));
+        if (!mask.ok()) {
+            std::printf("error: %s\n", mask.status().message().c_str());
+        } else {
+            std::printf("%s %d %d\n", mask.value().kind, mask.value().window_left, mask.value().window_right);
         }
         return 0;
     }

@@ -1,7 +1,7 @@
 // The two row kernels of every backward (fagen/contract.py, "Backward kernels"), shared by the
 // FA2 and FA3 backward: before the main kernel, D = rowsum(dO * O) and LSE in base 2 per query
 // row and dQ's fp32 accumulator zeroed; after it, dQ = softmax_scale * accumulator in the
-// element type. A warp per row; kRowsPerCta rows per CTA, kRowThreads threads.
+// element type. kRowsPerCta rows per CTA, kRowThreads threads.
 //
 // The accumulator is laid out as the main kernel adds into it: row-major (FA3, whose
 // tensor-map reduction adds whole rows), or in fragment tiles (FA2, kFragmentTiles): each
@@ -39,35 +39,65 @@ struct BackwardRows {
     }
 
     // ---------------------------------------------------------------- preprocess
-    // Warp per row: D = rowsum(dO * O), the LSE in base 2 (algo/lse.cuh), dQ accumulator row = 0.
+    // D = rowsum(dO * O) on the tensor cores, as the main kernels' dP = dO V^T sums (an mma.sync
+    // m16n8k16 per k16 step, k ascending from a zero accumulator, O in V's operand place): where
+    // one key takes a whole row, O is that key's V row, and D and the key's dP are then the same
+    // sum of the same products, equal to the bit, so that its dS = P (dP - D) is exactly 0. With
+    // D summed on the CUDA cores in another order they differed in the last bit, which dQ / dK
+    // multiply by |K| / |Q| (a randomised case with inputs x8 and outliers x100: dK 7x torch's
+    // kernel's error; docs/performance.md, 2026-12-01). A warp per 16 rows: D of row r is the
+    // diagonal of O (16 rows) times dO^T (two n8 tiles of its 16 rows); also the LSE in base 2
+    // (algo/lse.cuh) and the rows of the dQ accumulator zeroed.
     static __device__ void preprocess(const FagenBwdParams& p) {
+        static_assert(kHeadDim % 16 == 0 && kRowsPerCta == 16 * (kRowThreads / 32), "a warp per 16 rows");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
-        constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
         const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
-        for (int r = warp; r < kRowsPerCta; r += kRowThreads / 32) {
-            const int row = blockIdx.x * kRowsPerCta + r;
-            if (row >= p.seqlen_q) break;
-            const Element* o = static_cast<const Element*>(p.o) + batch * p.o_batch_stride +
-                               head * p.o_head_stride + row * p.o_row_stride;
-            const Element* dout = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                                  head * p.do_head_stride + row * p.do_row_stride;
-            float sum = 0.f;
-            for (int vec = lane; vec < kVecs; vec += 32) {
-                const uint4 ov = *reinterpret_cast<const uint4*>(o + vec * 8);
-                const uint4 dv = *reinterpret_cast<const uint4*>(dout + vec * 8);
-                sum += fa2::dot8<Element>(ov, dv);
-            }
+        const int first = blockIdx.x * kRowsPerCta + 16 * warp;
+        if (first >= p.seqlen_q) return;
+        // The operand fragments' rows of this lane (algo/fragment.cuh): g and g + 8, columns 2t,
+        // 2t + 1 and 2t + 8, 2t + 9 of each k16 step; rows past seqlen_q read as zeros.
+        const int g = lane / 4, t = lane % 4;
+        auto row_pairs = [&](const void* base, long long batch_stride, long long head_stride, long long row_stride,
+                             int row) {
+            return row < p.seqlen_q ? reinterpret_cast<const uint32_t*>(static_cast<const Element*>(base) +
+                                                                        batch * batch_stride + head * head_stride +
+                                                                        row * row_stride)
+                                    : nullptr;
+        };
+        const uint32_t* o_rows[2] = {row_pairs(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, first + g),
+                                     row_pairs(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, first + g + 8)};
+        const uint32_t* do_rows[2] = {
+            row_pairs(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, first + g),
+            row_pairs(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, first + g + 8)};
+        auto pair_at = [](const uint32_t* row, int column) { return row != nullptr ? row[column / 2] : 0u; };
+        float acc[2][4] = {};  // O times the first / second 8 rows of dO^T
 #pragma unroll
-            for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-            float* accum = p.dq_accum + accum_head(p, batch * p.heads_q + head);
-            for (int i = lane; i < kHeadDim / 2; i += 32) {
-                *reinterpret_cast<float2*>(accum + accum_offset(row, i)) = make_float2(0.f, 0.f);
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const int column = 16 * kk + 2 * t;
+            const uint32_t a[4] = {pair_at(o_rows[0], column), pair_at(o_rows[1], column),
+                                   pair_at(o_rows[0], column + 8), pair_at(o_rows[1], column + 8)};
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const uint32_t b[2] = {pair_at(do_rows[n], column), pair_at(do_rows[n], column + 8)};
+                Ops::mma(acc[n], a, b);
             }
-            if (lane == 0) {
+        }
+        // Row g's diagonal element is column g of the first tile, held by lane 4g + g/2 as its
+        // element g % 2; row g + 8's is column g of the second tile, element 2 + g % 2 there.
+        if (t == g / 2) {
+            for (int half = 0; half < 2; ++half) {
+                const int row = first + g + 8 * half;
+                if (row >= p.seqlen_q) continue;
                 const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-                p.softmax_d[head_row0 + row] = sum;
+                p.softmax_d[head_row0 + row] = acc[half][2 * half + g % 2];
                 p.lse_log2[head_row0 + row] = algo::base2_lse(lse);
+            }
+        }
+        float* accum = p.dq_accum + accum_head(p, batch * p.heads_q + head);
+        for (int r = 0; r < 16 && first + r < p.seqlen_q; ++r) {
+            for (int i = lane; i < kHeadDim / 2; i += 32) {
+                *reinterpret_cast<float2*>(accum + accum_offset(first + r, i)) = make_float2(0.f, 0.f);
             }
         }
     }

@@ -6,9 +6,9 @@
 // adds, and passes the counter on; so every run sums in the same order. A tile waits only for
 // tiles launched before it (blocks start in launch order), so that a key block whose
 // predecessor is not resident yet cannot hold the SM the predecessor needs. Without the mask
-// every key block walks the query blocks from 0, and the order is ascending. Under it a key block
-// starts at its diagonal query block, so the higher key blocks reach a query block first: the
-// order is descending, and the key blocks are launched from the last (ascending, each CTA waited
+// every key block walks the query blocks from 0, and the order is ascending. Under a mask with a
+// right edge (causal, a window) a key block starts at its diagonal query block, so the higher key
+// blocks reach a query block first: the order is descending, and the key blocks are launched from the last (ascending, each CTA waited
 // for key block 0 to walk up to it: 3-4.6x the time of the atomics, run 69).
 #pragma once
 #include "fagen/algo/fragment.cuh"
@@ -18,8 +18,9 @@
 
 namespace fagen::algo {
 
-template <bool kCausal, int kBlockM, int kBlockN>
+template <MaskKind kMask, int kBlockM, int kBlockN>
 struct TileOrder {
+    static constexpr bool kDiagonal = kMask != MaskKind::kFull;  // a right edge: see above
     // About the tiles that run at once, one CTA per SM: 132 on an H100 / H200, 108 on an A100.
     static constexpr int kConcurrentTiles = 128;
 
@@ -39,7 +40,7 @@ struct TileOrder {
     // effect). The deterministic mode reverses the key blocks (above).
     static __device__ Tile at(const FagenBwdParams& p, int position, int n_blocks, int heads_of_batch) {
         int order = position % n_blocks, head_of_batch = position / n_blocks;
-        if constexpr (kCausal) {
+        if constexpr (kDiagonal) {
             const int group = min(heads_of_batch, (kConcurrentTiles + n_blocks - 1) / n_blocks);
             const int first = position / (group * n_blocks) * group;
             const int heads = min(group, heads_of_batch - first);
@@ -47,14 +48,15 @@ struct TileOrder {
             order = within / heads;
             head_of_batch = first + within % heads;
         }
-        return {kCausal && p.dq_semaphore != nullptr ? n_blocks - 1 - order : order, head_of_batch};
+        return {kDiagonal && p.dq_semaphore != nullptr ? n_blocks - 1 - order : order, head_of_batch};
     }
 
     // How many key blocks add to query block i before key block j does.
-    static __device__ int rank(const AttentionMask<kCausal>& mask, int i, int j) {
-        if constexpr (!kCausal) return j;
-        // Key blocks 0..last see query block i (each walks every query block with a row that
-        // sees its first key); the last one is the block of the last key its last row sees.
+    static __device__ int rank(const AttentionMask<kMask>& mask, int i, int j) {
+        if constexpr (!kDiagonal) return j;
+        // The key blocks that see query block i run up to the block of the last key its last row
+        // sees (AttentionMask::query_blocks: each walks every query block with a row that sees
+        // one of its keys).
         return (mask.key_end((i + 1) * kBlockM - 1) - 1) / kBlockN - j;
     }
 
@@ -87,8 +89,8 @@ struct StepCursor {
 // it as a branch of its own on the steps that need it: folded into the exponentials' loop as a
 // predicate per element, the mask's compares and selects ran on every step, and a causal step
 // took 1.31x a non-causal one (1.84 against 1.40 us at head_dim 64, 2k; run 88).
-template <bool kCausal, int kTiles>
-__device__ __forceinline__ void zero_masked_probs(const AttentionMask<kCausal>& mask, float (&probs)[kTiles][4],
+template <MaskKind kMask, int kTiles>
+__device__ __forceinline__ void zero_masked_probs(const AttentionMask<kMask>& mask, float (&probs)[kTiles][4],
                                                   int lane, int first_key, int first_query) {
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {

@@ -4,7 +4,8 @@
 // innermost, so the CTAs running together share one head's K/V in L2 (with query blocks
 // outermost a causal 4k hd128 run streams ~2 GB of K/V from DRAM instead). Under a causal mask
 // the last query blocks visit the most key blocks; the hardware hands out CTAs roughly in index
-// order, so each head's heaviest block goes first and its light ones fill in behind.
+// order, so each head's heaviest block goes first and its light ones fill in behind. Under a
+// window every query block visits about as many key blocks as the next: the plain order.
 //
 // Persistent grids are (min(work, SMs), 1, 1): each CTA walks work items blockIdx.x,
 // blockIdx.x + gridDim.x, ..., so a warp-specialized producer can load the next tile while the
@@ -27,8 +28,9 @@ struct Tile {
     int batch;
 };
 
-template <bool kCausal, bool kPersistent>
+template <MaskKind kMask, bool kPersistent>
 struct TileScheduler {
+    static constexpr bool kCausal = kMask == MaskKind::kCausal;
     static constexpr bool kPaired = kCausal && kPersistent;
 
     int m_blocks;
@@ -86,19 +88,22 @@ struct TileScheduler {
 };
 
 // What a kernel needs to know about its tile: where its rows start, which K/V head it reads
-// (GQA/MQA: heads_q / heads_kv query heads share one), and how many key blocks it visits
-// (<= 0 when none of its rows sees a key).
+// (GQA/MQA: heads_q / heads_kv query heads share one), and which key blocks it visits
+// (AttentionMask::key_blocks): n_blocks of them (<= 0 when none of its rows sees a key), the
+// j-th being n_block(j), from the last down.
 struct TileWork {
-    int head, batch, kv_head, row_begin, n_blocks;
+    int head, batch, kv_head, row_begin, n_end, n_blocks;
+
+    __device__ __forceinline__ int n_block(int j) const { return n_end - 1 - j; }
+    __device__ __forceinline__ KeyBlocks key_blocks() const { return {n_end - n_blocks, n_end}; }
 };
 
-template <bool kCausal>
+template <MaskKind kMask>
 __device__ __forceinline__ TileWork tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
                                               int block_n) {
-    const AttentionMask<kCausal> mask{p.seqlen_q, p.seqlen_k};
     const int row_begin = t.m_block * block_m;
-    return {t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin,
-            mask.key_blocks(row_begin, block_m, block_n)};
+    const KeyBlocks blocks = AttentionMask<kMask>::of(p).key_blocks(row_begin, block_m, block_n);
+    return {t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin, blocks.end, blocks.count()};
 }
 
 }  // namespace fagen::algo

@@ -79,7 +79,9 @@ struct Forward {
         const int batch = blockIdx.y;
         const int kv_head = head / (p.heads_q / p.heads_kv);
         const int warp_row = warp * 16;
-        const algo::AttentionMask<Config::kCausal> mask{p.seqlen_q, p.seqlen_k};
+        // FA1 is the lineage's first step: the full and causal masks only (fagen/spec/fa1.py).
+        static_assert(Config::kMask != algo::MaskKind::kLocal);
+        const auto mask = algo::AttentionMask<Config::kMask>::of(p);
         const int m_blocks = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
         const int n_blocks = (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
 
@@ -108,7 +110,7 @@ struct Forward {
         // Query blocks none of whose rows sees a key are written once, here.
         for (int i = 0; i < m_blocks; ++i) {
             const int row_begin = i * Config::kBlockM;
-            if (mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN) <= 0) {
+            if (mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN).count() <= 0) {
                 algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDim, kThreads>(
                     algo::tile_output<Element>(p, batch, head, row_begin), p.o_row_stride,
                     algo::tile_lse(p, batch, head, row_begin), p.seqlen_q - row_begin, tid);
@@ -124,7 +126,7 @@ struct Forward {
             // from the first whose last row reaches key j * block_n on.
             int i_begin = 0;
             while (i_begin < m_blocks &&
-                   mask.key_blocks(i_begin * Config::kBlockM, Config::kBlockM, Config::kBlockN) <= j) {
+                   mask.key_blocks(i_begin * Config::kBlockM, Config::kBlockM, Config::kBlockN).end <= j) {
                 ++i_begin;
             }
             if (i_begin == m_blocks) break;  // (causal) no query block sees block j or later
@@ -144,7 +146,7 @@ struct Forward {
                 ptx::cp_async_commit_group();
                 const int row_begin = i * Config::kBlockM;
                 const bool last_block =
-                    j == mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN) - 1;
+                    j == mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN).end - 1;
                 update_block(p, o_state, row_state, q_buffer(i) + q_lane, smem_k + k_lane,
                              smem_v + v_lane, mask, batch, head, row_begin, warp_row, lane, j,
                              last_block);
@@ -158,7 +160,7 @@ struct Forward {
     static __device__ void update_block(const FagenFwdParams& p, float* o_state,
                                         RowState* row_state, uint32_t q_addr, uint32_t k_addr,
                                         uint32_t v_addr,
-                                        const algo::AttentionMask<Config::kCausal>& mask,
+                                        const algo::AttentionMask<Config::kMask>& mask,
                                         int batch, int head, int row_begin, int warp_row,
                                         int lane, int j, bool last_block) {
         float acc_s[1][kSTiles][4];
@@ -177,7 +179,7 @@ struct Forward {
                 Ops::mma(acc_s[0][2 * np + 1], a, b_hi);
             }
         }
-        if (mask.block_needs_mask(j, row_begin + warp_row, Config::kBlockN)) {
+        if (mask.block_needs_mask(j, row_begin + warp_row, 16, Config::kBlockN)) {
             mask.apply(acc_s, lane, row_begin + warp_row, j * Config::kBlockN);
         }
 

@@ -53,7 +53,7 @@ template <class Config>
 struct Backward {
     using Element = typename Config::Element;
     using Ops = ElementOps<Element>;
-    using Mask = algo::AttentionMask<Config::kCausal>;
+    using Mask = algo::AttentionMask<Config::kMask>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads,
                                     Config::kDqAccumRowAlign, /*kFragmentTiles=*/true>;
 
@@ -269,10 +269,11 @@ struct Backward {
         // head live (with them the causal tile at head_dim 128 spilled).
         const int first_head = tile.head_of_batch * group;
         const int key_begin = n_block * kBlockN;
-        const Mask mask{p.seqlen_q, p.seqlen_k};
-        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        const int i_begin = mask.first_row(key_begin) / kBlockM;  // the first block that sees key_begin
-        const int i_count = max(0, m_blocks - i_begin);
+        const Mask mask = Mask::of(p);
+        // The query blocks [i_begin, i_end) with a row that sees one of this tile's keys.
+        const algo::KeyBlocks queries = mask.query_blocks(key_begin, kBlockN, kBlockM);
+        const int i_begin = queries.begin, i_end = queries.end;
+        const int i_count = max(0, queries.count());
         const int steps = group * i_count;  // (query head, query block) pairs this CTA walks
 
         const Smem s{static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))};
@@ -303,7 +304,7 @@ struct Backward {
                                                                           p.do_row_stride, rows_valid, tid);
             load_row_floats(s.lse(stage), s.d(stage), p, lse_row0, rows_valid, tid);
             const int head = loading.head;
-            loading.advance(i_begin, m_blocks);
+            loading.advance(i_begin, i_end);
             q_rows += kBlockM * p.q_row_stride;
             dout_rows += kBlockM * p.do_row_stride;
             lse_row0 += kBlockM;
@@ -339,7 +340,7 @@ struct Backward {
         const int warp_query = col_split * (kBlockM / kColSplits);  // first S^T column
 
         algo::StepCursor current{first_head, i_begin};
-        for (int t = 0; t < steps; ++t, current.advance(i_begin, m_blocks)) {
+        for (int t = 0; t < steps; ++t, current.advance(i_begin, i_end)) {
             const int stage = Config::kStages == 2 ? t % 2 : 0;
             ptx::cp_async_wait_group<0>();
             __syncthreads();  // step t landed; every warp is done with step t-1
@@ -360,7 +361,7 @@ struct Backward {
             const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
             const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
             const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
-                                    mask.block_needs_mask(first_key / kWarpKeys, first_query, kWarpKeys);
+                                    mask.block_needs_mask(first_key / kWarpKeys, first_query, kBlockM / kColSplits, kWarpKeys);
             float acc_s[kKeyTiles][kSTiles][4];
             float acc_dp[kKeyTiles][kSTiles][4];
             warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch, s.q(stage) + b_lane + warp_query * kPitch);
@@ -462,7 +463,7 @@ struct Backward {
                  end_batch, end_kv_head, key_begin + warp_key, col_split * kKVCols, lane);
     }
 
-    using Order = algo::TileOrder<Config::kCausal, kBlockM, kBlockN>;
+    using Order = algo::TileOrder<Config::kMask, kBlockM, kBlockN>;
 
     // The tile of this CTA: grid (key blocks, heads_kv, batch) in the launch order of
     // algo::TileOrder.

@@ -45,20 +45,6 @@ struct ElementOps<__half> {
     }
 };
 
-// The fp32 dot product of two 16-byte vectors of 8 elements.
-template <class Element>
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
-    using Ops = ElementOps<Element>;
-    const uint32_t as[4] = {a.x, a.y, a.z, a.w}, bs[4] = {b.x, b.y, b.z, b.w};
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 x = Ops::unpack(as[i]), y = Ops::unpack(bs[i]);
-        sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
-    }
-    return sum;
-}
-
 // The k16 A operand fragment of mma.sync m16n8k16 (and of wgmma with A from registers) for
 // columns 16*kk .. 16*kk+15 of an fp32 accumulator in the row-pair layout of
 // algo/fragment.cuh: P for P V, converted straight from the S accumulator.

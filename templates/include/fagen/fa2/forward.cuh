@@ -56,7 +56,7 @@ struct Forward {
         const int tid = threadIdx.x;
         const int warp = tid / 32;
         const int lane = tid % 32;
-        const auto sched = algo::TileScheduler<Config::kCausal, false>::for_params(p, Config::kBlockM);
+        const auto sched = algo::TileScheduler<Config::kMask, false>::for_params(p, Config::kBlockM);
         const algo::Tile tile = sched.tile(sched.first());
         const int m_block = tile.m_block;
         const int head = tile.head;
@@ -65,8 +65,9 @@ struct Forward {
         const int row_begin = m_block * Config::kBlockM;
         const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
 
-        const algo::AttentionMask<Config::kCausal> mask{p.seqlen_q, p.seqlen_k};
-        const int n_blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
+        const auto mask = algo::AttentionMask<Config::kMask>::of(p);
+        const algo::KeyBlocks blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
+        const int n_blocks = blocks.count();
 
         Element* o = algo::tile_output<Element>(p, batch, head, row_begin);
         float* lse = algo::tile_lse(p, batch, head, row_begin);
@@ -88,9 +89,9 @@ struct Forward {
         const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
         const uint32_t smem_kv = smem_q + Config::kSmemQBytes;
 
-        // K (or V) rows of the j-th visited block (block n_blocks-1-j) into `dst`.
+        // K (or V) rows of the j-th visited block (block blocks.end-1-j) into `dst`.
         auto load_block = [&](uint32_t dst, const Element* src, long long row_stride, int j) {
-            const int key_begin = (n_blocks - 1 - j) * Config::kBlockN;
+            const int key_begin = (blocks.end - 1 - j) * Config::kBlockN;
             load_rows<Config::kBlockN>(dst, src + key_begin * row_stride, row_stride,
                                        p.seqlen_k - key_begin, tid);
         };
@@ -146,7 +147,7 @@ struct Forward {
                 ptx::cp_async_commit_group();
             }
 
-            const int n_block = n_blocks - 1 - j;
+            const int n_block = blocks.end - 1 - j;
             const uint32_t smem_k = k_slot(j);
             const uint32_t smem_v = v_slot(j);
 
@@ -183,7 +184,7 @@ struct Forward {
                 ptx::cp_async_commit_group();
             }
 
-            if (mask.block_needs_mask(n_block, row_begin + warp_row, Config::kBlockN)) {
+            if (mask.block_needs_mask(n_block, row_begin + warp_row, Config::kWarpRows, Config::kBlockN)) {
                 mask.apply(acc_s, lane, row_begin + warp_row, n_block * Config::kBlockN);
             }
             softmax.step(acc_s, acc_o, p.scale_log2);

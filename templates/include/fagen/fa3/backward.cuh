@@ -69,10 +69,10 @@ template <class Config>
 struct Backward {
     using Element = typename Config::Element;
     using Ops = fa2::ElementOps<Element>;
-    using Mask = algo::AttentionMask<Config::kCausal>;
+    using Mask = algo::AttentionMask<Config::kMask>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads, Config::kDqAccumRowAlign>;
-    using Order = algo::TileOrder<Config::kCausal, Config::kBlockM, Config::kBlockN>;
+    using Order = algo::TileOrder<Config::kMask, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;  // queries per step
@@ -173,8 +173,8 @@ struct Backward {
     };
 
     // The walk of one CTA: key block `n_block` of K/V head `kv_head`, over the query blocks
-    // i_begin ... i_begin + i_count - 1 of each query head of the group (the first block whose
-    // rows see the key block's first key on, causal).
+    // i_begin ... i_begin + i_count - 1 of each query head of the group (AttentionMask::
+    // query_blocks: those with a row that sees one of its keys).
     struct Walk {
         int n_block, kv_head, batch, group, i_begin, i_count;
 
@@ -196,10 +196,9 @@ struct Backward {
         w.kv_head = at.head_of_batch % p.heads_kv;
         w.batch = at.head_of_batch / p.heads_kv;
         w.group = p.heads_q / p.heads_kv;
-        const Mask mask{p.seqlen_q, p.seqlen_k};
-        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        w.i_begin = mask.first_row(w.key_begin()) / kBlockM;
-        w.i_count = max(0, m_blocks - w.i_begin);
+        const algo::KeyBlocks queries = Mask::of(p).query_blocks(w.key_begin(), kBlockN, kBlockM);
+        w.i_begin = queries.begin;
+        w.i_count = max(0, queries.count());
         return w;
     }
 
@@ -281,8 +280,7 @@ struct Backward {
             const bool ordered = p.dq_semaphore != nullptr;
             int* semaphore = ordered ? Order::semaphore(p, w.batch * p.heads_q + head, m_block) : nullptr;
             if (ordered) {
-                const Mask mask{p.seqlen_q, p.seqlen_k};
-                const int rank = Order::rank(mask, m_block, w.n_block);
+                const int rank = Order::rank(Mask::of(p), m_block, w.n_block);
                 while (atomicAdd(semaphore, 0) != rank) {
                 }
                 __threadfence();
@@ -505,7 +503,7 @@ struct Backward {
     template <bool kMayMask>
     static __device__ void consume_keys(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         const int warp = thread / 32, lane = thread % 32;
-        const Mask mask{p.seqlen_q, p.seqlen_k};
+        const Mask mask = Mask::of(p);
         const Descriptors desc = descriptors(s, consumer);
         const Walk w = walk_of_tile(p, tile_of_cta());
         const int first_key = w.key_begin() + consumer * kConsumerKeys + warp * 16;  // this warp's
@@ -534,7 +532,7 @@ struct Backward {
 
             const float* lse = static_cast<const float*>(__cvta_shared_to_generic(s.lse(st)));
             const float* dsum = static_cast<const float*>(__cvta_shared_to_generic(s.d(st)));
-            const bool needs_mask = kMayMask && mask.block_needs_mask(first_key / 16, row_begin, 16);
+            const bool needs_mask = kMayMask && mask.block_needs_mask(first_key / 16, row_begin, kBlockM, 16);
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
             uint32_t p_frags[kQuerySteps][4];
@@ -624,7 +622,7 @@ struct Backward {
     static __device__ void consume_columns(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         static_assert(kColumnSplit);
         const int warp = thread / 32, lane = thread % 32;
-        const Mask mask{p.seqlen_q, p.seqlen_k};
+        const Mask mask = Mask::of(p);
         const Walk w = walk_of_tile(p, tile_of_cta());
         const int first_key = w.key_begin() + warp * 16;  // this warp's 16 keys
         const int own_query = consumer * kScoreQueries;   // this consumer's first query of a step
@@ -671,7 +669,7 @@ struct Backward {
 
             const float* lse = static_cast<const float*>(__cvta_shared_to_generic(s.lse(st))) + own_query;
             const float* dsum = static_cast<const float*>(__cvta_shared_to_generic(s.d(st))) + own_query;
-            const bool needs_mask = kMayMask && mask.block_needs_mask(first_key / 16, query_begin, 16);
+            const bool needs_mask = kMayMask && mask.block_needs_mask(first_key / 16, query_begin, kScoreQueries, 16);
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
             probabilities(acc_s, lse, p.scale_log2, lane);
@@ -744,13 +742,13 @@ struct Backward {
             }
         } else {
             ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
-            // A tile whose steps may need the mask (causal, or keys past seqlen_k, which are TMA's
+            // A tile whose steps may need the mask (an edge, or keys past seqlen_k, which are TMA's
             // zero rows: their score 0 gives exp2(-LSE2), inf for a row whose LSE is far below 0,
             // and inf * 0 = NaN in dQ) runs the loop with it, every other tile the loop without:
             // with the mask's branch in every non-causal tile the backward ran at 0.91-0.97x at
             // head dims 64/128 (2026-12-01).
             const Walk w = walk_of_tile(p, tile_of_cta());
-            const bool may_mask = Mask{p.seqlen_q, p.seqlen_k}.tile_may_need_mask(w.key_begin(), kBlockN);
+            const bool may_mask = Mask::of(p).tile_may_need_mask(w.key_begin(), kBlockN);
             const int consumer = threadIdx.x / 128 - 1, thread = threadIdx.x % 128;
             if constexpr (kColumnSplit) {
                 may_mask ? consume_columns<true>(p, s, consumer, thread) : consume_columns<false>(p, s, consumer, thread);

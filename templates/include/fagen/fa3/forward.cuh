@@ -110,14 +110,14 @@ struct Forward {
         __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kKVBytes; }
     };
 
-    using Scheduler = algo::TileScheduler<Config::kCausal, true>;
+    using Scheduler = algo::TileScheduler<Config::kMask, true>;
     using Softmax = algo::OnlineSoftmax<1, Ops, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
 
     using Work = algo::TileWork;
 
     static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
                                                      int index) {
-        return algo::tile_work<Config::kCausal>(prm, sched.tile(index), kBlockM, kBlockN);
+        return algo::tile_work<Config::kMask>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
     // ---------------------------------------------------------------- producer
@@ -137,7 +137,7 @@ struct Forward {
                                                    const Work& w, int j, int ring) {
         const int slot = algo::ring_slot<kStages>(ring);
         const uint32_t empty_parity = algo::ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
-        const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
+        const int key_begin = w.n_block(j) * kBlockN;
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
         algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
                                      w.kv_head, w.batch);
@@ -234,7 +234,7 @@ struct Forward {
         const int warp = thread / 32;  // within the warpgroup
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
-        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        const auto mask = algo::AttentionMask<Config::kMask>::of(prm);
         const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
         auto slot_of = [&](int j) { return algo::ring_slot<kStages>(ring_base + j); };
@@ -262,9 +262,9 @@ struct Forward {
         // S = Q K^T of block j, masked and turned into probabilities; O is rescaled by the
         // caller once P_{j-1} V_{j-1}, still in flight here, has completed.
         auto scores = [&](int j, auto may_need_mask) {
-            const int n_block = w.n_blocks - 1 - j;
+            const int n_block = w.n_block(j);
             if constexpr (decltype(may_need_mask)::value) {
-                if (mask.block_needs_mask(n_block, w.row_begin + warp_row, kBlockN)) {
+                if (mask.block_needs_mask(n_block, w.row_begin + warp_row, 16, kBlockN)) {
                     mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
                 }
             }
@@ -322,14 +322,20 @@ struct Forward {
         };
         int j = 1;
         if constexpr (Config::kPeelMaskedBlocks) {
-            // Iterations j < masked_end may hold masked keys for some row of the tile (the visited
-            // blocks run from the last key block down); each warp still asks for its own rows
-            // there. The loop after them has no mask code at all. Counted from the tile's first
-            // row, not the warp's: a bound that differs between warps made the loop counter, and
-            // with it the ring slots and phases, non-uniform (run 53).
-            const int masked_end = mask.masked_key_blocks(w.n_blocks, w.row_begin, kBlockN);
-            for (; j < masked_end; ++j) iteration(j, BoolConstant<true>{});
-            for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<false>{});
+            // Iterations j < right_end and (a window) j >= left_begin may hold masked keys for
+            // some row of the tile (the visited blocks run from the last key block down); each
+            // warp still asks for its own rows there. The loop between them has no mask code at
+            // all. Counted from the tile's first and last rows, not the warp's: a bound that
+            // differs between warps made the loop counter, and with it the ring slots and phases,
+            // non-uniform (run 53).
+            const algo::MaskedIterations masked = mask.masked_iterations(w.key_blocks(), w.row_begin, kBlockM, kBlockN);
+            for (; j < masked.right_end; ++j) iteration(j, BoolConstant<true>{});
+            if constexpr (algo::AttentionMask<Config::kMask>::kLeftEdge) {
+                for (; j < masked.left_begin; ++j) iteration(j, BoolConstant<false>{});
+                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
+            } else {
+                for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<false>{});
+            }
         } else {
             for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
         }
@@ -395,7 +401,7 @@ struct Forward {
         }
     }
 
-    // Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+    // Query rows that see no key at all (algo/mask.cuh): O = 0, LSE = -inf.
     // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
         algo::write_empty_rows<Element, kBlockM, kHeadDim, kConsumerThreads>(
@@ -489,7 +495,7 @@ struct Forward {
             }
             ptx::wgmma_wait_group<0>();  // the Q K^T issued after the last tile
         }
-        if constexpr (Config::kCausal) {
+        if constexpr (Config::kMask != algo::MaskKind::kFull) {
             for (int i = sched.first(); i < sched.end(); i = sched.next(i)) {
                 const Work empty = work_for(prm, sched, i);
                 if (empty.n_blocks <= 0) write_empty_rows(prm, empty, consumer * 128 + thread);

@@ -155,7 +155,7 @@ struct Forward {
         for (int j = 0; j < w.n_blocks; ++j) {
             const int slot = j % kStages;
             const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
-            const int key_begin = (w.n_blocks - 1 - j) * kBlockN;
+            const int key_begin = w.n_block(j) * kBlockN;
             ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
             algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
                                          key_begin, w.kv_head, w.batch);
@@ -223,7 +223,10 @@ struct Forward {
     static __device__ void softmax(const FagenFwdParams& prm, const Smem& s, const Work& w,
                                    uint32_t tmem, int row) {
         const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
-        const algo::AttentionMask<Config::kCausal> mask{prm.seqlen_q, prm.seqlen_k};
+        using Mask = algo::AttentionMask<Config::kMask>;
+        const Mask mask = Mask::of(prm);
+        // The full and causal masks only (fagen/spec/fa4.py: a window's left edge spilled).
+        static_assert(!Mask::kLeftEdge);
         const int key_end = mask.key_end(w.row_begin + row);
         float reference = algo::neg_inf();
         float row_sum = 0.f;
@@ -246,8 +249,8 @@ struct Forward {
                 for (int i = 0; i < 16; ++i) scores[c * 16 + i] = __uint_as_float(raw[c][i]);
             }
 
-            const int n_block = w.n_blocks - 1 - j;
-            if (mask.block_needs_mask(n_block, w.row_begin, kBlockN)) {
+            const int n_block = w.n_block(j);
+            if (mask.block_needs_mask(n_block, w.row_begin, kBlockM, kBlockN)) {
 #pragma unroll
                 for (int c = 0; c < kBlockN; ++c) {
                     if (n_block * kBlockN + c >= key_end) scores[c] = algo::neg_inf();
@@ -385,8 +388,8 @@ struct Forward {
 
     // ---------------------------------------------------------------- entry
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
-        const auto sched = algo::TileScheduler<Config::kCausal, false>::for_params(prm, kBlockM);
-        const Work w = algo::tile_work<Config::kCausal>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
+        const auto sched = algo::TileScheduler<Config::kMask, false>::for_params(prm, kBlockM);
+        const Work w = algo::tile_work<Config::kMask>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
         if (w.n_blocks <= 0) {
             write_empty_rows(prm, w);
             return;
