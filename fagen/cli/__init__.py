@@ -135,7 +135,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="bundles unpacked from packed files ($FAGEN_BUNDLE_CACHE)")
     which.add_argument("--all", action="store_true", help="both")
     cache.set_defaults(handler=cmd_cache)
+
+    reference = commands.add_parser(
+        "spec-reference", help="print every spec-file field and what each algorithm takes "
+        "(Markdown; docs/spec-reference.md is this output)")
+    reference.set_defaults(handler=_cmd_spec_reference)
     return parser
+
+
+def _cmd_spec_reference(args) -> int:
+    from ..spec.reference import render_reference  # pydantic: only for this command
+
+    sys.stdout.write(render_reference())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,11 +181,15 @@ class KernelSpec(BaseModel):
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = ""
 
-    fa_version: int
-    arch: Arch
-    direction: Literal["fwd", "bwd"] = "fwd"
-    dtype: Literal["fp16", "bf16"]
-    head_dim: int
+    fa_version: int = Field(description="the algorithm: 1-4 (FlashAttention's versions; with "
+                            "`direction` it picks the template, below)")
+    arch: Arch = Field(description="the target the cubin is built for; a cubin runs on its own major "
+                       "version only, an `a` target on exactly its compute capability")
+    direction: Literal["fwd", "bwd"] = Field("fwd", description="the forward, or the backward (dQ, "
+                                             "dK, dV from the forward's output and LSE)")
+    dtype: Literal["fp16", "bf16"] = Field(description="the element type of q, k, v, the output and "
+                                           "the gradients")
+    head_dim: int = Field(description="q, k and v's last dimension")
     mask: Literal[contract.MASKS] = Field(
         "full", description="which (query, key) pairs attend (templates/include/fagen/algo/"
         "mask.cuh): full, causal (bottom-right aligned) or local (a sliding window, its sizes "

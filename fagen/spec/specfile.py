@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .base import KernelSpec
 from .tuning import seqlen_bounds
@@ -24,9 +24,11 @@ class SpecError(ValueError):
 class SpecFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bundle: str
-    description: str = ""
-    kernels: list[dict[str, Any]]
+    bundle: str = Field(description="the bundle's name (letters, digits, '.', '_', '-'); `fagen build` "
+                        "writes it to generated/<bundle> unless -o says otherwise")
+    description: str = Field("", description="free text, kept in the manifest")
+    kernels: list[dict[str, Any]] = Field(description="the kernel entries (below); a field given as a "
+                                          "list expands to one kernel per value")
 
     @field_validator("bundle")
     @classmethod

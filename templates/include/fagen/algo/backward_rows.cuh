@@ -12,7 +12,7 @@
 #pragma once
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/lse.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/types.cuh"
 
@@ -21,7 +21,7 @@ namespace fagen::algo {
 template <class Element, int kHeadDim, int kRowsPerCta, int kRowThreads, int kAccumRowAlign,
           bool kFragmentTiles = false>
 struct BackwardRows {
-    using Ops = fa2::ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
     static_assert(!kFragmentTiles || (kHeadDim % 8 == 0 && kAccumRowAlign % 16 == 0));
 
     // The accumulator's first float of query head `head_of_batch` (batch * heads_q + head): its

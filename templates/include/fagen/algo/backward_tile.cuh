@@ -13,7 +13,7 @@
 #pragma once
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 
 namespace fagen::algo {

@@ -93,7 +93,7 @@ __device__ __forceinline__ float operand_rounding(float top, float scale_log2, f
 __device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
 // kM row-pair tiles -> 2*kM rows per thread.
-// Ops: the P operand's element operations (fa2/element.cuh: round).
+// Ops: the P operand's element operations (algo/element.cuh: round).
 template <int kM, class Ops, class Options = DefaultSoftmaxOptions, bool kSumInOutput = false>
 struct OnlineSoftmax {
     static constexpr bool kCorrectEachBlock = Options::kConditionalRescale && !kSumInOutput;

@@ -33,7 +33,7 @@
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/smem_rows.cuh"
 #include "fagen/algo/tile_output.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/cp_async.cuh"
 #include "fagen/ptx/ex2.cuh"
@@ -44,7 +44,7 @@ namespace fagen::fa1 {
 template <class Config>
 struct Forward {
     using Element = typename Config::Element;
-    using Ops = fa2::ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kPitch = Config::kRowPitchBytes;
@@ -238,7 +238,7 @@ struct Forward {
 #pragma unroll
         for (int kk = 0; kk < kPVSteps; ++kk) {
             uint32_t a[4];
-            fa2::pack_a_fragment<Element>(a, acc_s[0], kk);
+            algo::pack_a_fragment<Element>(a, acc_s[0], kk);
 #pragma unroll
             for (int dp = 0; dp < kOTiles / 2; ++dp) {
                 uint32_t b[4];

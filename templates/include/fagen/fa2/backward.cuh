@@ -40,7 +40,7 @@
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/smem_rows.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/cp_async.cuh"
 #include "fagen/ptx/ex2.cuh"
@@ -52,7 +52,7 @@ namespace fagen::fa2 {
 template <class Config>
 struct Backward {
     using Element = typename Config::Element;
-    using Ops = ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kMask>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads,
                                     Config::kDqAccumRowAlign, /*kFragmentTiles=*/true>;
@@ -221,7 +221,7 @@ struct Backward {
         for (int kk = 0; kk < kMSteps; ++kk) {
             uint32_t frag_a[kM][4];
 #pragma unroll
-            for (int m = 0; m < kM; ++m) pack_a_fragment<Element>(frag_a[m], a[m], kk);
+            for (int m = 0; m < kM; ++m) algo::pack_a_fragment<Element>(frag_a[m], a[m], kk);
 #pragma unroll
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];

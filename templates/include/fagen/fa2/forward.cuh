@@ -16,7 +16,7 @@
 #include "fagen/algo/smem_rows.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/cp_async.cuh"
 #include "fagen/ptx/ldmatrix.cuh"
@@ -26,7 +26,7 @@ namespace fagen::fa2 {
 template <class Config>
 struct Forward {
     using Element = typename Config::Element;
-    using Ops = ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kPitch = Config::kRowPitchBytes;
@@ -193,7 +193,7 @@ struct Forward {
             for (int kk = 0; kk < kPVSteps; ++kk) {
                 uint32_t a[kMTiles][4];
 #pragma unroll
-                for (int m = 0; m < kMTiles; ++m) pack_a_fragment<Element>(a[m], acc_s[m], kk);
+                for (int m = 0; m < kMTiles; ++m) algo::pack_a_fragment<Element>(a[m], acc_s[m], kk);
 #pragma unroll
                 for (int dp = 0; dp < kOTiles / 2; ++dp) {
                     uint32_t b[4];

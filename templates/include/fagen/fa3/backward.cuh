@@ -47,7 +47,7 @@
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/tma_tile.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
 #include "fagen/ptx/cp_async_bulk_commit_group.cuh"
@@ -68,7 +68,7 @@ namespace fagen::fa3 {
 template <class Config>
 struct Backward {
     using Element = typename Config::Element;
-    using Ops = fa2::ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kMask>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads, Config::kDqAccumRowAlign>;
@@ -549,8 +549,8 @@ struct Backward {
             for (int kk = 0; kk < kQuerySteps; ++kk) {
 #pragma unroll
                 for (int n = 2 * kk; n < 2 * kk + 2; ++n) score_grads(acc_dp, acc_s, dsum, n, lane);
-                fa2::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
-                fa2::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
+                algo::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
+                algo::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
             }
             const int buffer = t % 2;
             store_ds(s.ds(buffer), acc_dp, consumer * kConsumerKeys + warp * 16, 0, lane);

@@ -32,7 +32,7 @@
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
 #include "fagen/ptx/cp_async_bulk_tensor.cuh"
@@ -54,7 +54,7 @@ enum NamedBarrier : int {
 template <class Config>
 struct Forward {
     using Element = typename Config::Element;
-    using Ops = fa2::ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;
@@ -207,7 +207,7 @@ struct Forward {
     static __device__ __forceinline__ void convert_p(const float (&acc_s)[kSTiles][4],
                                                      uint32_t (&p)[kPSteps][4]) {
 #pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk) fa2::pack_a_fragment<Element>(p[kk], acc_s, kk);
+        for (int kk = 0; kk < kPSteps; ++kk) algo::pack_a_fragment<Element>(p[kk], acc_s, kk);
     }
 
     // Ping-pong: a consumer waits for its turn before issuing MMAs and hands the turn to the

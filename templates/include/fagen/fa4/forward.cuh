@@ -47,7 +47,7 @@
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
-#include "fagen/fa2/element.cuh"
+#include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
 #include "fagen/ptx/cp_async_bulk_tensor.cuh"
@@ -90,7 +90,7 @@ enum Barrier : int {
 template <class Config>
 struct Forward {
     using Element = typename Config::Element;
-    using Ops = fa2::ElementOps<Element>;
+    using Ops = algo::ElementOps<Element>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;

@@ -1,5 +1,6 @@
-// Per-element-type operations of the mma.sync kernels: packing two floats into the 32-bit
-// operand register and the matching MMA.
+// Per-element-type operations every kernel shares (the element axis of the kernel model): packing
+// two floats into the 32-bit operand register, rounding to the element type, the matching
+// mma.sync, and the A-operand fragment of P. fp16 and bf16 today; FP8 takes its slot here.
 #pragma once
 #include "fagen/types.cuh"
 #include <cuda_bf16.h>
@@ -7,7 +8,7 @@
 
 #include "fagen/ptx/mma_sync.cuh"
 
-namespace fagen::fa2 {
+namespace fagen::algo {
 
 template <typename Element>
 struct ElementOps;
@@ -58,4 +59,4 @@ __device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[4], const float (&
     a[3] = Ops::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
-}  // namespace fagen::fa2
+}  // namespace fagen::algo
