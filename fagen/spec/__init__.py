@@ -1,5 +1,5 @@
-"""Stage 1: kernel specs (one pydantic model per algorithm, validation, tuning table, naming,
-YAML expansion)."""
+"""Stage 1: kernel specs (one pydantic model per algorithm with its validation and tuning rows,
+the tile resolver, naming, YAML expansion, the generated spec reference)."""
 
 from .algorithms import ALGORITHMS, SPEC_CLASSES, algorithm_for, available
 from .arch import ARCHS, Arch, ArchInfo

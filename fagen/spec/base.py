@@ -24,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_seria
 
 from .. import contract
 from .arch import ARCHS, Arch
+from .tuning import resolve_tile
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class KernelSpec(BaseModel):
     ARCHS: ClassVar[tuple[Arch, ...]]
     WHY_ARCHS: ClassVar[str]
     REQUIRED_SASS: ClassVar[tuple[str, ...]]
+    # The algorithm's tuning rows (fagen/spec/tuning.py resolves `tile: auto` from them).
+    TUNING_ROWS: ClassVar[tuple] = ()
     # The masks (contract.MASKS) the algorithm's kernels implement, and why not the others.
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = ""
@@ -240,8 +243,6 @@ class KernelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_auto_tile(cls, data: Any) -> Any:
-        from .tuning import resolve_tile
-
         if cls is KernelSpec:
             raise TypeError("KernelSpec(...) is the base of the algorithms' specs: use "
                             "KernelSpec.model_validate(fields), which picks the algorithm")

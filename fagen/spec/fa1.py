@@ -20,6 +20,7 @@ from .arch import MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import MMA_K, REGISTER_OVERHEAD, VECTOR_BYTES, mma_sync_head_dim_problem
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+from .tuning import TuningRow
 
 WARP_ROWS = 16  # one m16 tile per warp: the inner loop visits every query block of the head
 WARP_CHOICES = (2, 4, 8)
@@ -92,7 +93,29 @@ def head_dim_problem(head_dim: int) -> str | None:
     return mma_sync_head_dim_problem(head_dim, "the FA1 template")
 
 
+# ---- FA1 forward (mma.sync; the lineage bundle only). FA1 is the baseline the lineage
+# benchmark measures FA2 and FA3 against, so its tiles are plain, not tuned: 16 rows per warp
+# (the inner loop visits every query block of a head), 4 warps, and the widest key block
+# whose K and V tiles, with two Q buffers, fit 99 KB parts too where the arithmetic allows.
+# Register and shared-memory counts are the geometry's (fagen/spec/fa1.py). ----
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa1Tile(block_m=64, block_n=128, warps=4), 64,
+              "64 x 128 tile: S 64 + O 32 regs per thread; Q 2 x 9 KB + K, V 2 x 18 KB = 54 KB"),
+    TuningRow(Fa1Tile(block_m=64, block_n=128, warps=4), 128,
+              "S 64 + O 64 regs; Q 2 x 17 KB + K, V 2 x 34 KB = 102 KB (sm80, sm90)"),
+    TuningRow(Fa1Tile(block_m=64, block_n=64, warps=4), 128,
+              "fallback for 99 KB parts: K, V 2 x 17 KB, 68 KB in all"),
+    TuningRow(Fa1Tile(block_m=64, block_n=64, warps=4), 256,
+              "O alone is 128 regs per thread at head_dim 256, so block_n 64 (S 32); Q 2 x 33 KB "
+              "+ K, V 2 x 33 KB = 132 KB (sm80, sm90)"),
+    TuningRow(Fa1Tile(block_m=64, block_n=32, warps=4), 256,
+              "fallback for 99 KB parts: 99 KB"),
+)
+
+
 class Fa1ForwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 1
     DIRECTION: ClassVar[str] = "fwd"

@@ -16,6 +16,7 @@ from .. import contract
 from .arch import MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+from .tuning import TuningRow
 
 MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
 MMA_N = 8
@@ -121,7 +122,34 @@ def head_dim_problem(head_dim: int) -> str | None:
     return mma_sync_head_dim_problem(head_dim, "the FA2 template")
 
 
+# ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
+# H200 tile sweep of 2026-11-30 (bench/tile_sweep.py, docs/performance.md), seqlen 4k. ----
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa2Tile(block_m=128, block_n=64, warps=4, stages=2), 64,
+              "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; 1.06x/1.02x "
+              "SDPA-FA2 (full/causal), within 1% of block_n 128, which spills on sm80; 55 KB smem"),
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 64,
+              "fallback for 99 KB parts: 16 rows per warp, 55 KB smem"),
+    TuningRow(Fa2Tile(block_m=128, block_n=32, warps=4, stages=2), 128,
+              "32 rows per warp with block_n 32 keeps O (128) + S (32) under 255 regs (244-253, "
+              "no spills on sm80/86/90): 0.94x/0.97x SDPA-FA2 against 0.82x/0.81x for 16 rows "
+              "per warp (m128n64w8); head_dim 96 takes it by the same register arithmetic"),
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 128,
+              "fallback for 99 KB parts: 16 rows per warp, 52 KB smem"),
+    TuningRow(Fa2Tile(block_m=128, block_n=64, warps=8, stages=1), 256,
+              "O alone is 128 regs at 16 rows per warp, so 16 rows and 8 warps. One K and one V "
+              "buffer (stages 1) instead of a 2-stage ring: 0.93/0.93x SDPA-FA2 (full/causal) at "
+              "2k against 0.90/0.90x (H200 run 13, 2026-11-30); 64x64 with 4 warps (2 CTAs per "
+              "SM, SDPA-FA2's own tile) measured 0.90/0.94x; 132 KB smem at head_dim 256, so "
+              "sm80 (163 KB) takes this row too (not measured on an A100)"),
+    TuningRow(Fa2Tile(block_m=64, block_n=32, warps=4, stages=2), 256,
+              "fallback for sm80's 163 KB and 99 KB parts: 64x32 tile, 16 rows per warp"),
+)
+
+
 class Fa2ForwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"

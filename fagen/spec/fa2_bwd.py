@@ -19,6 +19,7 @@ from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import VECTOR_BYTES, Fa2ForwardSpec, mma_sync_head_dim_problem
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+from .tuning import TuningRow
 
 MMA_M = 16  # rows of an mma.sync m16n8k16 tile: the unit of a warp's keys and dQ rows
 WARP_CHOICES = (4, 8)
@@ -154,7 +155,60 @@ def head_dim_problem(head_dim: int) -> str | None:
     return mma_sync_head_dim_problem(head_dim, "the FA2 backward")
 
 
+# ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers and walks
+# the query blocks. Shared memory's bandwidth runs out first (Nsight Compute, run 99: L1 75 %
+# busy, the warps' main stall the ldmatrix results), so the warps hold 32 keys (S^T, dK,
+# dV) and 32 query rows (dQ) where the registers allow: each operand fragment read from
+# shared memory feeds two MMAs' worth of rows, 20 % fewer bytes per step than one-tile
+# warps, at the price of P^T through shared memory. Register and shared-memory counts are
+# the geometry's (fagen/spec/fa2_bwd.py) and ptxas's (sm90, bf16); speeds from the H200
+# sweep of run 100 (bench.tile_sweep, bf16, 4k / 8k; 2026-12-01) against SDPA-FA2's backward
+# in the same run. sm80 rows are the sm90 tiles with one Q / dO stage (163 KB), measured
+# on the H200 (run 101), not on an A100. ----
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 64,
+              "128 x 128, warps of 32 keys x 64 queries (S^T) and 32 x 32 (dK, dV, dQ): 247 / 223 "
+              "TFLOP/s full / causal at 4k (0.88 / 0.90x SDPA-FA2) against 219 / 210 for 64 x 128 "
+              "with one-tile warps and K, V in registers; 253-255 regs, 178 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 64,
+              "sm80's 163 KB: one Q / dO stage, 141 KB; on the H200 234 / 216 TFLOP/s full / "
+              "causal at 4k (0.84 / 0.88x SDPA-FA2)"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=4, stages=1), 64,
+              "fallback for 99 KB parts: 55 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 128,
+              "64 x 128, warps of 32 keys x 32 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x "
+              "32 (dQ): 266 / 243 TFLOP/s full / causal at 4k (0.88 / 0.89x SDPA-FA2) against 239 "
+              "/ 216 for one-tile warps (P^T in registers) and 243 / 219 with 32-row dQ warps "
+              "alone; 246-255 regs, 173 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 128,
+              "sm80's 163 KB: one Q / dO stage, 139 KB; on the H200 245 / 226 TFLOP/s full / "
+              "causal at 4k (0.81 / 0.83x SDPA-FA2)"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2), 128,
+              "head_dim 96 (32-row dQ warps would hold 24 columns): one-tile warps, P^T in "
+              "registers; 155 KB smem"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1), 128,
+              "fallback for 99 KB parts: one Q / dO buffer, 87 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 256,
+              "warps of 32 keys x 16 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x 64 (dQ): "
+              "199 / 187 TFLOP/s full / causal at 4k (0.79 / 0.81x SDPA-FA2) against 190 / 176 "
+              "for one-tile warps; 253-255 regs, 217 KB smem (sm90)"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 256,
+              "sm80's 163 KB: one Q / dO stage, 150 KB; on the H200 186 / 176 TFLOP/s full / "
+              "causal at 4k (0.73 / 0.77x SDPA-FA2)"),
+    TuningRow(Fa2BwdTile(block_m=32, block_n=32, warps=4, stages=1), 256,
+              "fallback for 99 KB parts: 71 KB"),
+)
+
+
 class Fa2BackwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"

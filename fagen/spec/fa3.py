@@ -22,6 +22,7 @@ from .layout import (
     ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, consumer_registers,
     smem_limit_problems,
 )
+from .tuning import TuningRow
 
 CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # wgmma N values templates/include/fagen/ptx/gen_wgmma.py generates wrappers for: the block_n and
@@ -173,7 +174,90 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
+# ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer
+# warpgroup, the softmax overlapped with the previous P V inside each warpgroup, a
+# persistent grid (the kernel's structure, each measured in the ablations listed in
+# docs/performance.md), ping-pong where it measured better. The persistent grid hides each
+# tile's Q/K load latency behind the previous tile; under the causal mask it walks pairs of
+# heavy + light query blocks (algo/tile_scheduler.cuh). Speeds: H200 sweeps of 2026-11-30
+# (runs 11-30), ratios to cuDNN in the same run; rows with max_seqlen_k serve calls with at
+# most that many keys. ----
+# Head dim 64 peels the key blocks that may need a mask out of the main loop
+# (peel_masked_blocks): 1.00-1.03x the one-loop kernels at 1k-16k, both masks, in run 54;
+# head dims 128 and 256 measured 0.94-1.02x with it (the ping-pong tiles lowest) and keep
+# one loop.
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, early_first_qk=True,
+                      peel_masked_blocks=True), 64,
+              "non-causal up to 512 keys, where a tile is only 4 key blocks: early_first_qk (the "
+              "next tile's first Q K^T runs under this tile's epilogue) with three K/V stages, "
+              "so that the next tile's first K has landed by then (with two it loses 5-10 %, "
+              "run 47 sweep16): 388 against 369 (three stages without it) and 360 TFLOP/s (the "
+              "two-stage row below) in sweep16, 374 against 358 in the bundle (run 48); at 1k "
+              "+1 % in the sweep, -3 % in the bundle, so 1k keeps the row below",
+              causal=False, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
+              "short non-causal rows: 128-row tiles waste less of the last query block than "
+              "192 (1k: 6 x 192 = 1152 rows for 1024) and give 4 CTAs' worth more tiles; 406 vs "
+              "384 TFLOP/s (0.94 vs 0.89x cuDNN) at 1k, 429 vs 440 at 2k (run 20, sweep9). "
+              "64-row tiles with two CTAs per SM measured below it at 512-4k (338 vs 350 at 512, "
+              "run 23, sweep11)", causal=False, max_seqlen_k=1024),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, peel_masked_blocks=True), 64,
+              "causal up to 512 keys: a third K/V stage (113 KB smem) measured 240/242 against "
+              "235/237 TFLOP/s for two stages (+2 %, two repeats, run 30 sweep14; +1 % in the "
+              "shipped bundle, run 31) and equal at 1k; why only the shortest rows gain is not "
+              "established", causal=True, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
+              "causal up to 4k: 304/370/406 TFLOP/s at 1k/2k/4k (0.91/0.98/0.98x cuDNN) against "
+              "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
+              "that the overlap inside a warpgroup works (run 20, sweep9)",
+              causal=True, max_seqlen_k=4096),
+    TuningRow(Fa3Tile(block_m=192, block_n=128, warps=16, stages=2, peel_masked_blocks=True,
+                      mma_row_sum=True), 64,
+              "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 (+4) + P 32 regs) "
+              "keep 12 consumer warps per SM busy where hd64's short MMAs leave 8 waiting on "
+              "softmax; persistent. Run 20 (sweep9): non-causal 440/458/485 TFLOP/s at 2k/4k/8k "
+              "(0.98/1.00/1.07x cuDNN) against 429/449/452 for m128n128; causal 8k 449 against "
+              "431. The row sums come out of P V (mma_row_sum: 386 instead of 448 main-loop "
+              "instructions): +1...+5 % at 2k-16k non-causal, 0...+3 % causal 8k-16k (runs 57, "
+              "58); on the two-consumer rows above it measured -5...+1 % (idle MUFU time, not "
+              "issue slots, is what those lose: run 58). 121 KB smem"),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, pingpong=True), 128,
+              "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
+              "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "
+              "sweep9); 161 KB smem", causal=False, max_seqlen_k=1024),
+    TuningRow(Fa3Tile(block_m=128, block_n=160, warps=12, stages=2, pingpong=True), 128,
+              "non-causal: persistent, ping-pong; 582/609/626 TFLOP/s at 2k/4k/8k (0.99/1.02/"
+              "1.03x cuDNN) against 558/575/611 without ping-pong and 539/582/616 for block_n 176 "
+              "non-persistent (which spills 12 bytes when persistent) in run 20 (sweep9); S 80 + "
+              "O 64 + P 40 regs fit the 240 of a consumer; 193 KB smem", causal=False),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 128,
+              "causal: persistent pairs without ping-pong: 397/485/545/577 TFLOP/s at 1k-8k "
+              "(0.94/1.00/1.04/1.06x cuDNN) against 377/459/519/549 with it, 5% slower since the "
+              "softmax overlaps the warpgroup's own P V (run 20, sweep9); block_n 160 wastes more "
+              "of each diagonal block (437 at 2k); 161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
+              causal=True),
+    TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2, pingpong=True), 256,
+              "non-causal: O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 "
+              "(S 40 + P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "
+              "(629 vs 588 TFLOP/s at 4k, run 6). Persistent with ping-pong: 549/619/666/698 "
+              "TFLOP/s at 1k-8k (0.91/0.98/1.00/1.05x cuDNN) against 529/586/651/679 for the "
+              "one-tile kernel without it (run 20, sweep9); 225 KB smem", causal=False),
+    TuningRow(Fa3Tile(block_m=128, block_n=64, warps=12, stages=2), 256,
+              "causal up to 512 keys: a 512-key row is 8 blocks of 64 (the diagonal ones wasting "
+              "less) against 6.4 of 80; 274/269 TFLOP/s against 259/260 for block_n 80 (runs 22 "
+              "and 23, sweep10/11; equal at 1k); 193 KB smem", causal=True, max_seqlen_k=512),
+    TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2), 256,
+              "causal: block_n 80 as above; persistent pairs 392/504/588/642 TFLOP/s at 1k-8k "
+              "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
+              "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
+              causal=True),
+)
+
+
 class Fa3ForwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"

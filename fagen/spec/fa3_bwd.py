@@ -31,6 +31,7 @@ from .layout import (
     ELEMENT_BYTES, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, consumer_registers, launch_registers,
     smem_limit_problems,
 )
+from .tuning import TuningRow
 
 CONSUMERS = 2
 # Registers after setmaxnreg: the producer warpgroup's three roles (TMA loads, LSE/D loads, the
@@ -228,7 +229,33 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
+# ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block, two consumer warpgroups that
+# split its keys (head dims 64, 128: 64 keys each, dK and dV in registers) or its columns
+# (head dim 256), a producer warpgroup, steps of 64 queries (the kernel's structure,
+# fagen/spec/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 64,
+              "dK + dV 64, S^T + dP^T 64 regs per consumer thread; two Q / dO stages keep the "
+              "next step's loads under this one's MMAs (a third with the rotated loop: 0.96-1.00x, "
+              "run 87); 114 KB smem. 417 / 466 TFLOP/s non-causal, 315 / 401 causal at 2k / 8k "
+              "(0.96-1.06x cuDNN, run 92)"),
+    TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 128,
+              "dK + dV 128, S^T + dP^T 64, P^T fragments 16 regs of the 232 a consumer gets; "
+              "K, V 64 KB + 2 stages of Q, dO 64 KB + two dS^T buffers 32 KB + dQ staging 32 KB "
+              "= 194 KB, so no third stage fits. 513 / 542 TFLOP/s non-causal, 400 / 517 causal "
+              "at 2k / 8k (0.97-1.07x cuDNN, run 92)"),
+    TuningRow(Fa3BwdTile(block_n=64, warps=12, stages=2), 256,
+              "the column split (the key split's dK + dV alone would be 256 regs): 64 keys, each "
+              "consumer 128 columns of dK, dV (128 regs) and dQ (64); K, V 64 KB + 2 stages of "
+              "Q, dO 128 KB + P^T, dS^T 32 KB = 226 KB, dQ staged in the step's own Q / dO "
+              "columns. 367 / 395 TFLOP/s non-causal, 324 / 400 causal at 2k / 8k (1.00-1.10x "
+              "cuDNN, run 92)"),
+)
+
+
 class Fa3BackwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"

@@ -18,6 +18,7 @@ from .. import contract
 from .arch import Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
 from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
+from .tuning import TuningRow
 
 BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
 # Role warps (templates/include/fagen/fa4/forward.cuh): 4 softmax, 4 correction, then load, MMA
@@ -111,7 +112,31 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
+# ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
+# B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
+# FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation
+# 1/4: MUFU does 16 exp2/clk/SM, the FMA pipe 128 ops/clk/SM and the polynomial costs ~7
+# ops, so the pipes would balance near 1/2; the FMA pipe also carries the scale, max, sum
+# and conversions, hence a conservative 1/4 until measured. ----
+# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=4, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 64,
+              "S x2 + O = 320 TMEM columns (512 allocated); 148 KB smem: 4 stages of 32 KB K+V "
+              "hide TMA latency behind two blocks of MMA"),
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=3, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 128,
+              "FA4 paper's 128x128 tile: S x2 + O = 384 TMEM columns; Q 32 KB + 3 stages x 64 KB "
+              "K+V = 227 KB minus 320 bytes: the deepest ring that fits"),
+    TuningRow(Fa4Tile(block_m=128, block_n=64, warps=12, stages=2, exp2_emulation=0.25,
+                      rescale_threshold=8.0), 256,
+              "block_n 128 would need 2 x 128 + 256 = 512 TMEM columns and 2 stages of 128 KB; "
+              "block_n 64: 384 columns, 199 KB smem at head_dim 256"),
+)
+
+
 class Fa4ForwardSpec(KernelSpec):
+    TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     FA_VERSION: ClassVar[int] = 4
     DIRECTION: ClassVar[str] = "fwd"

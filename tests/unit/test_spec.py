@@ -14,7 +14,9 @@ from fagen.spec import ARCHS, SPEC_CLASSES, KernelSpec, SpecError, expand, load_
 from fagen.spec.arch import MAX_REGISTERS_PER_THREAD
 from fagen.spec.fa2 import Fa2Tile
 from fagen.spec.fa3 import Fa3Tile
-from fagen.spec.tuning import TABLE
+from fagen.spec.algorithms import SPEC_CLASSES
+
+TABLE = tuple(row for spec in SPEC_CLASSES for row in spec.TUNING_ROWS)
 from spec_fields import refusal_of, spec_from
 
 
@@ -353,3 +355,16 @@ def test_fa1_and_fa4_name_the_masks_they_lack():
     with pytest.raises(pydantic.ValidationError, match="fa_version=4 fwd has the full, causal masks only"):
         KernelSpec.model_validate({"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128,
                                    "mask": "local"})
+
+
+def test_the_tuning_module_imports_no_algorithm():
+    # Each algorithm owns its tuning rows (its TUNING, beside its model); the resolver imports
+    # none of the algorithm modules, so the spec package has no import cycle through it.
+    import ast
+    import inspect
+
+    import fagen.spec.tuning as tuning
+
+    tree = ast.parse(inspect.getsource(tuning))  # run-time imports: the module's top level
+    imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert not any(name and name.startswith(("fa", "base", "algorithms")) for name in imported), imported
