@@ -347,6 +347,45 @@ def _cpp_key_expression() -> str:
     return " + ".join(parts)
 
 
+# The launch-shape and workspace rules above, in C++ for fagen.hpp (which calls these rather than
+# re-deriving them): Launch.grid_dims, bwd_row_grid, dq_accum_rows and BackwardWorkspace.of.
+# tests/compile/test_cpp_loader.py holds each to its Python twin over a grid of shapes.
+_CPP_RULES = """\
+/* Launch.grid_dims: the grid of a kernel (grid: FAGEN_GRID_*; sms: the device's multiprocessors,
+   read only for a persistent grid). */
+struct GridDims {
+    long long x, y, z;
+};
+inline GridDims grid_dims(int grid, int block_m, int block_n, long long seqlen_q, long long heads_q, long long batch,
+                          long long sms, long long seqlen_k, long long heads_kv) {
+    const long long m_blocks = (seqlen_q + block_m - 1) / block_m;
+    if (grid == FAGEN_GRID_PERSISTENT) return {m_blocks * heads_q * batch < sms ? m_blocks * heads_q * batch : sms, 1, 1};
+    if (grid == FAGEN_GRID_HEADS) return {heads_q, batch, 1};
+    if (grid == FAGEN_GRID_KEY_BLOCKS) return {(seqlen_k + block_n - 1) / block_n, heads_kv, batch};
+    return {m_blocks, heads_q, batch};
+}
+/* bwd_row_grid: the grid of a backward's preprocess and dQ kernels. */
+inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long batch) {
+    return {(seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA, heads_q, batch};
+}
+/* dq_accum_rows: the dQ accumulator's rows per (batch, head). */
+inline long long dq_accum_rows(long long seqlen_q) {
+    return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
+}
+/* BackwardWorkspace.of: float offsets of dq_accum, softmax_d, lse_log2 in one fp32 buffer of
+   `floats`; `semaphores` ints for the deterministic mode (block_m: the main kernel's). */
+struct BackwardWorkspace {
+    long long dq_accum, softmax_d, lse_log2, floats, semaphores;
+};
+inline BackwardWorkspace backward_workspace(long long batch, long long heads_q, long long seqlen_q, long long head_dim,
+                                            int block_m) {
+    const long long rows = batch * heads_q * seqlen_q;
+    const long long accum = batch * heads_q * dq_accum_rows(seqlen_q) * head_dim;
+    return {0, accum, accum + rows, accum + 2 * rows, batch * heads_q * ((seqlen_q + block_m - 1) / block_m)};
+}
+"""
+
+
 def render_contract_header() -> str:
     """contract.h: this module's definitions for fagen.hpp (the same values, one source)."""
     return "\n".join([
@@ -389,6 +428,7 @@ def render_contract_header() -> str:
         "const char* mask) {",
         f"    return {_cpp_key_expression()};",
         "}",
+        _CPP_RULES.rstrip("\n"),
         "}  // namespace fagen",
         "#endif",
         "",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
-from fagen import abi
+from fagen import abi, contract
 from fagen.bundle.cindex import INDEX_HEADER, render_index_header
 from fagen.bundle.format import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from fagen.runtime.loader import KernelNotFound, select
@@ -220,6 +220,29 @@ def test_cpp_mask_rule_matches_python(open_bundle, causal, window, seqlens):
     result = run(open_bundle, "--mask", int(causal), *window, *seqlens)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("grid", range(len(contract.GRIDS)))
+def test_cpp_grid_rule_matches_python(open_bundle, grid):
+    for block_m, block_n, seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv in (
+            (128, 128, 1, 1, 1, 132, 1, 1), (128, 176, 300, 4, 2, 132, 500, 1), (64, 64, 4097, 32, 3, 8, 999, 8),
+            (192, 128, 16384, 16, 1, 132, 16384, 2), (64, 128, 100000, 64, 4, 108, 7, 1)):
+        launch = contract.Launch(threads=128, block_m=block_m, dynamic_smem=0, grid=contract.GRIDS[grid],
+                                 block_n=block_n)
+        expected = launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
+        result = run(open_bundle, "--grid", grid, block_m, block_n, seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
+        assert result.returncode == 0, result.stderr
+        assert tuple(int(x) for x in result.stdout.split()) == expected
+
+
+@pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))
+def test_cpp_workspace_rule_matches_python(open_bundle, shape):
+    batch, heads_q, seqlen_q, head_dim, block_m = shape
+    w = contract.BackwardWorkspace.of(batch, heads_q, seqlen_q, head_dim, block_m)
+    result = run(open_bundle, "--workspace", *shape)
+    assert result.returncode == 0, result.stderr
+    assert tuple(int(x) for x in result.stdout.split()) == (
+        w.dq_accum, w.softmax_d, w.lse_log2, w.floats, w.semaphores, *contract.bwd_row_grid(seqlen_q, heads_q, batch))
 
 
 def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):

@@ -520,21 +520,14 @@ public:
                                  std::to_string(workspace_bytes(params)) + " bytes (Attention::workspace)");
         }
         CUlaunchConfig config{};
-        const unsigned query_blocks = static_cast<unsigned>((params.seqlen_q + info_->block_m - 1) / info_->block_m);
-        config.gridDimX = query_blocks;
-        config.gridDimY = static_cast<unsigned>(params.heads_q);
-        config.gridDimZ = static_cast<unsigned>(params.batch);
+        int sms = 0;  // read only for a persistent grid
         if (info_->grid == FAGEN_GRID_PERSISTENT) {
-            auto sms = multiprocessor_count();
-            if (!sms.ok()) return sms.status();
-            const long long tiles = static_cast<long long>(query_blocks) * params.heads_q * params.batch;
-            config.gridDimX = static_cast<unsigned>(tiles < sms.value() ? tiles : sms.value());
-            config.gridDimY = config.gridDimZ = 1;
-        } else if (info_->grid == FAGEN_GRID_HEADS) {
-            config.gridDimX = static_cast<unsigned>(params.heads_q);
-            config.gridDimY = static_cast<unsigned>(params.batch);
-            config.gridDimZ = 1;
+            auto count = multiprocessor_count();
+            if (!count.ok()) return count.status();
+            sms = count.value();
         }
+        set_grid(config, grid_dims(info_->grid, info_->block_m, info_->block_n, params.seqlen_q, params.heads_q,
+                                   params.batch, sms, params.seqlen_k, params.heads_kv));
         config.blockDimX = static_cast<unsigned>(info_->threads);
         config.blockDimY = config.blockDimZ = 1;
         config.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
@@ -547,6 +540,12 @@ public:
         return d.value()->check(
             d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(kernel_), arguments, nullptr),
             "cuLaunchKernelEx");
+    }
+
+    static void set_grid(CUlaunchConfig& config, const GridDims& grid) {
+        config.gridDimX = static_cast<unsigned>(grid.x);
+        config.gridDimY = static_cast<unsigned>(grid.y);
+        config.gridDimZ = static_cast<unsigned>(grid.z);
     }
 
     // SMs of the current context's device: the size of a persistent grid.
@@ -584,16 +583,13 @@ public:
             return Status::error(std::string("fagen: kernel ") + info_->name + " uses TMA and needs FagenBwdTmaMaps");
         }
         CUlaunchConfig rows{};
-        rows.gridDimX = static_cast<unsigned>((params.seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA);
-        rows.gridDimY = static_cast<unsigned>(params.heads_q);
-        rows.gridDimZ = static_cast<unsigned>(params.batch);
+        set_grid(rows, bwd_row_grid(params.seqlen_q, params.heads_q, params.batch));
         rows.blockDimX = FAGEN_BWD_ROW_THREADS;
         rows.blockDimY = rows.blockDimZ = 1;
         rows.hStream = stream;
         CUlaunchConfig main{};
-        main.gridDimX = static_cast<unsigned>((params.seqlen_k + info_->block_n - 1) / info_->block_n);
-        main.gridDimY = static_cast<unsigned>(params.heads_kv);
-        main.gridDimZ = static_cast<unsigned>(params.batch);
+        set_grid(main, grid_dims(info_->grid, info_->block_m, info_->block_n, params.seqlen_q, params.heads_q,
+                                 params.batch, 0, params.seqlen_k, params.heads_kv));
         main.blockDimX = static_cast<unsigned>(info_->threads);
         main.blockDimY = main.blockDimZ = 1;
         main.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
@@ -793,24 +789,19 @@ public:
     // needs (fagen/contract.py, BackwardWorkspace): dQ's accumulator (its rows per head padded
     // to FAGEN_DQ_ACCUM_ROW_ALIGN), rowsum(dO * O) and the LSE in base 2 per query row; one
     // int32 per query block of the main kernel.
-    static long long dq_accum_rows(int seqlen_q) {
-        return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
-    }
-    // The floats of dQ's accumulator at the workspace's start; D and the base-2 LSE follow.
-    static long long dq_accum_floats(const Attention& a) {
-        return static_cast<long long>(a.batch) * a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim;
+    // The workspace's layout (contract.h: backward_workspace, fagen/contract.py's BackwardWorkspace).
+    static BackwardWorkspace workspace_layout(const Attention& a, int block_m = 1) {
+        return backward_workspace(a.batch, a.heads_q, a.seqlen_q, a.head_dim, block_m);
     }
     static size_t backward_workspace_bytes(const Attention& a) {
-        const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
-        return sizeof(float) * static_cast<size_t>(dq_accum_floats(a) + 2 * rows);
+        return sizeof(float) * static_cast<size_t>(workspace_layout(a).floats);
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
-        const long long blocks = (a.seqlen_q + kernel.value()->info().block_m - 1) / kernel.value()->info().block_m;
-        return sizeof(int) * static_cast<size_t>(a.batch) * a.heads_q * blocks;
+        return sizeof(int) * static_cast<size_t>(workspace_layout(a, kernel.value()->info().block_m).semaphores);
     }
 
     // dq, dk, dv of one attention on `stream` (in the current context), asynchronous: picks
@@ -847,7 +838,6 @@ public:
         for (const auto& [name, data, strides, loaded] : tensors) {
             if (Status s = check_tensor(name, data, strides, tma && loaded); !s.ok()) return s;
         }
-        const long long rows = static_cast<long long>(a.batch) * a.heads_q * a.seqlen_q;
         float* workspace = reinterpret_cast<float*>(a.workspace);
         FagenBwdParams p{};
         p.q = reinterpret_cast<const void*>(a.q);
@@ -859,9 +849,10 @@ public:
         p.dq = reinterpret_cast<void*>(a.dq);
         p.dk = reinterpret_cast<void*>(a.dk);
         p.dv = reinterpret_cast<void*>(a.dv);
-        p.dq_accum = workspace;
-        p.softmax_d = workspace + dq_accum_floats(a);
-        p.lse_log2 = p.softmax_d + rows;
+        const BackwardWorkspace layout = workspace_layout(a);
+        p.dq_accum = workspace + layout.dq_accum;
+        p.softmax_d = workspace + layout.softmax_d;
+        p.lse_log2 = workspace + layout.lse_log2;
         p.dq_semaphore = reinterpret_cast<int*>(a.semaphores);
         const std::pair<long long*, const Strides*> strides[] = {
             {&p.q_batch_stride, &q}, {&p.k_batch_stride, &k}, {&p.v_batch_stride, &v}, {&p.o_batch_stride, &o},

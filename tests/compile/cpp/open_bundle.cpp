@@ -9,6 +9,11 @@
 //   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
 //                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
 //                                       its error
+//   open_bundle --grid GRID BLOCK_M BLOCK_N SEQLEN_Q HEADS_Q BATCH SMS SEQLEN_K HEADS_KV
+//                                       print grid_dims' "X Y Z" (GRID: FAGEN_GRID_* index)
+//   open_bundle --workspace BATCH HEADS_Q SEQLEN_Q HEAD_DIM BLOCK_M
+//                                       print backward_workspace's offsets, floats, semaphores
+//                                       and the backward row grid
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +30,22 @@ int main(int argc, char** argv) {
         } else {
             std::printf("%.9g\n", static_cast<double>(scale_log2.value()));
         }
+        return 0;
+    }
+    if (argc == 11 && std::strcmp(argv[1], "--grid") == 0) {
+        long long v[9];
+        for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[2 + i]);
+        const fagen::GridDims g = fagen::grid_dims(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]),
+                                                   v[3], v[4], v[5], v[6], v[7], v[8]);
+        std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
+        return 0;
+    }
+    if (argc == 7 && std::strcmp(argv[1], "--workspace") == 0) {
+        const fagen::BackwardWorkspace w = fagen::backward_workspace(
+            std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), std::atoi(argv[6]));
+        const fagen::GridDims rows = fagen::bwd_row_grid(std::atoll(argv[4]), std::atoll(argv[3]), std::atoll(argv[2]));
+        std::printf("%lld %lld %lld %lld %lld %lld %lld %lld\n", w.dq_accum, w.softmax_d, w.lse_log2, w.floats,
+                    w.semaphores, rows.x, rows.y, rows.z);
         return 0;
     }
     if (argc == 7 && std::strcmp(argv[1], "--mask") == 0) {
