@@ -53,7 +53,7 @@ def child(variant: dict, bundle: str | None) -> dict:
         opened = fagen.torch.get_bundle(bundle)
         parts["open bundle"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        key = fagen.torch.kernel_key(q.dtype, variant["head_dim"], variant["causal"])
+        key = fagen.torch.kernel_key(q.dtype, variant["head_dim"], "causal" if variant["causal"] else "full")
         opened.kernel(opened.select(key, torch.cuda.get_device_capability()))
         parts["read+verify+load cubin"] = time.perf_counter() - mark
         mark = time.perf_counter()

@@ -109,7 +109,7 @@ def _sweep_backward(bundle, key, entries, seqlen, forward_bundle) -> list[dict]:
             reference = reference or grads
             peer_tflops[name] = tflops(flops, median_ms(
                 lambda: torch.autograd.grad(kept, leaves, dout, retain_graph=True)))
-    problem = _problem(q, k, causal)
+    problem = _problem(q, k, causal, (-1, -1))
     rows = []
     for entry in sorted(entries, key=lambda e: (e.fa_version, e.name)):
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))

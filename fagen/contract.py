@@ -62,6 +62,8 @@ class KernelKey:
 
 
 def kernel_key(direction: str, dtype: str, head_dim: int, mask: str) -> str:
+    if mask not in MASKS:  # e.g. a causal flag where the mask's kind belongs
+        raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}")
     return str(KernelKey(direction, dtype, head_dim, mask))
 
 

@@ -202,3 +202,11 @@ def test_the_mask_rule_is_flash_attns(causal, window, seqlens, expected):
 
     mask = call_mask(causal, window, *seqlens)
     assert (mask.kind, mask.window_left, mask.window_right) == expected
+
+
+def test_a_key_takes_a_mask_kind_not_a_flag():
+    from fagen import contract
+
+    assert contract.kernel_key("bwd", "fp16", 64, "local") == "bwd/fp16/hd64/local"
+    with pytest.raises(ValueError, match="mask=True: one of full, causal, local"):
+        contract.kernel_key("fwd", "bf16", 128, True)
