@@ -35,7 +35,9 @@ HEADS = 3
 
 def mask_name(causal) -> str:
     """A mask kind (contract.MASKS) from a causal flag, or the kind itself."""
-    return {False: "full", True: "causal"}.get(causal, causal) if isinstance(causal, bool) else causal
+    if isinstance(causal, bool):
+        return "causal" if causal else "full"
+    return causal
 
 
 def require_kernel(bundle, dtype, head_dim, causal, direction="fwd"):
