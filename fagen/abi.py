@@ -10,7 +10,9 @@ import ctypes
 
 # 2: the dQ accumulator's rows padded to contract.DQ_ACCUM_ROW_ALIGN per (batch, head).
 # 3: window_left, window_right (the mask's band, contract.Mask).
-ABI_VERSION = 3
+# 4: the score modifiers (contract.Score): softcap_scale, alibi_slopes, alibi_batch_stride, sinks;
+#    the backward's dsinks and sink_partials.
+ABI_VERSION = 4
 
 _c_longlong = ctypes.c_longlong
 
@@ -19,7 +21,8 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
     return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
 
 
-# The fields both structs end with: the LSE's strides and the problem's sizes, scale and mask.
+# The fields both structs end with: the LSE's strides and the problem's sizes, scale, mask and
+# score modifiers.
 _PROBLEM = [
     ("lse_batch_stride", _c_longlong),
     ("lse_head_stride", _c_longlong),
@@ -31,6 +34,10 @@ _PROBLEM = [
     ("scale_log2", ctypes.c_float),
     ("window_left", ctypes.c_int),
     ("window_right", ctypes.c_int),
+    ("softcap_scale", ctypes.c_float),
+    ("alibi_slopes", ctypes.c_void_p),
+    ("alibi_batch_stride", _c_longlong),
+    ("sinks", ctypes.c_void_p),
 ]
 
 
@@ -64,6 +71,8 @@ class BwdParams(ctypes.Structure):
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
         *_PROBLEM,
         ("softmax_scale", ctypes.c_float),
+        ("dsinks", ctypes.c_void_p),
+        ("sink_partials", ctypes.c_void_p),
     ]
 
 

@@ -31,12 +31,27 @@ DIRECTIONS = ("fwd", "bwd")
 DTYPES = ("fp16", "bf16")
 # The kinds of mask (templates/include/fagen/algo/mask.cuh: MaskKind), in its order.
 MASKS = ("full", "causal", "local")
-# The one spelling of a key; parse() and the generated C++ kernel_key() follow it.
-KEY_FORMAT = "{direction}/{dtype}/hd{head_dim}/{mask}"
-_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dim": "[0-9]+", "mask": "[a-z]+"}
+# The score modifiers (templates/include/fagen/algo/score.cuh: softcap, ALiBi; the sinks of
+# algo/online_softmax.cuh and the backward's algo/backward_rows.cuh), in the order a key spells
+# them.
+SCORE_MODS = ("softcap", "alibi", "sinks")
+# The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The variant
+# is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name).
+KEY_FORMAT = "{direction}/{dtype}/hd{head_dim}/{variant}"
+_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dim": "[0-9]+", "variant": "[a-z+]+"}
 _KEY = re.compile("^" + "".join(
     re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT)) + "$")
+
+
+def variant_name(mask: str, mods: tuple[str, ...] = ()) -> str:
+    """The mask and the score modifiers (in SCORE_MODS order) as a key spells them."""
+    if mask not in MASKS:  # e.g. a causal flag where the mask's kind belongs
+        raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}")
+    unknown = [mod for mod in mods if mod not in SCORE_MODS]
+    if unknown:
+        raise ValueError(f"score modifiers {unknown}: each one of {', '.join(SCORE_MODS)}")
+    return mask + "".join(f"+{mod}" for mod in SCORE_MODS if mod in mods)
 
 
 @dataclass(frozen=True)
@@ -47,24 +62,27 @@ class KernelKey:
     dtype: str
     head_dim: int
     mask: str  # one of MASKS
+    mods: tuple[str, ...] = ()  # of SCORE_MODS, in its order
 
     def __str__(self) -> str:
         return KEY_FORMAT.format(direction=self.direction, dtype=self.dtype,
-                                 head_dim=self.head_dim, mask=self.mask)
+                                 head_dim=self.head_dim, variant=variant_name(self.mask, self.mods))
 
     @classmethod
     def parse(cls, text: str) -> "KernelKey | None":
         """The key `text` spells, or None when it has another shape."""
         found = _KEY.match(text)
-        if found is None or found["mask"] not in MASKS:
+        if found is None:
             return None
-        return cls(found["direction"], found["dtype"], int(found["head_dim"]), found["mask"])
+        mask, *mods = found["variant"].split("+")
+        if mask not in MASKS or tuple(mods) != tuple(m for m in SCORE_MODS if m in mods):
+            return None
+        return cls(found["direction"], found["dtype"], int(found["head_dim"]), mask, tuple(mods))
 
 
-def kernel_key(direction: str, dtype: str, head_dim: int, mask: str) -> str:
-    if mask not in MASKS:  # e.g. a causal flag where the mask's kind belongs
-        raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}")
-    return str(KernelKey(direction, dtype, head_dim, mask))
+def kernel_key(direction: str, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:
+    return KEY_FORMAT.format(direction=direction, dtype=dtype, head_dim=head_dim,
+                             variant=variant_name(mask, mods))
 
 
 # ---------------------------------------------------------------------------- mask rule
@@ -107,6 +125,56 @@ def call_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_
         return Mask("causal")
     unbounded = seqlen_q + seqlen_k
     return Mask("local", unbounded if left < 0 else left, unbounded if right < 0 else right)
+
+
+# ---------------------------------------------------------------------------- score rule
+
+
+class ScoreError(ValueError):
+    """A softcap, ALiBi slopes or sinks the kernels cannot take."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """The score modifiers of one call (flash-attn's names): `softcap` > 0 caps the scaled
+    scores at softcap * tanh(score / softcap) (0: none); `alibi`: ALiBi slopes are given;
+    `sinks`: a learnable sink logit per query head joins each row's softmax."""
+
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    def __post_init__(self):
+        softcap = float(self.softcap)
+        if math.isnan(softcap) or math.isinf(softcap) or softcap < 0:
+            raise ScoreError(f"softcap={self.softcap}: must be a finite number >= 0 (0: no softcap)")
+
+    @property
+    def mods(self) -> tuple[str, ...]:
+        """The kernel's score modifiers (SCORE_MODS) this call needs."""
+        flags = {"softcap": self.softcap > 0, "alibi": self.alibi, "sinks": self.sinks}
+        return tuple(mod for mod in SCORE_MODS if flags[mod])
+
+
+@dataclass(frozen=True)
+class KernelScale:
+    """What a call's softmax_scale and softcap launch with (FagenFwdParams scale_log2,
+    softcap_scale): without a softcap scale_log2 = softmax_scale * log2(e); with one the kernels
+    take tanh(softcap_scale * s) for the raw score s, softcap_scale = softmax_scale / softcap,
+    and scale_log2 = softcap * log2(e) (templates/include/fagen/algo/score.cuh)."""
+
+    scale_log2: float
+    softcap_scale: float = 0.0
+
+
+def kernel_score_scale(softmax_scale: float | None, head_dim: int, softcap: float = 0.0) -> KernelScale:
+    """kernel_scale_log2, and the softcap's form of it; raises ScaleError. Mirrored by
+    fagen.hpp's kernel_score_scale."""
+    scale_log2 = kernel_scale_log2(softmax_scale, head_dim)
+    if not softcap > 0:
+        return KernelScale(scale_log2)
+    scale = default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    return KernelScale(max(float(softcap) * LOG2_E, MIN_SCALE_LOG2), scale / float(softcap))
 
 
 # ---------------------------------------------------------------------------- shared limits
@@ -215,6 +283,11 @@ BWD_ROW_THREADS = 128
 DQ_ACCUM_ROW_ALIGN = 16
 
 
+# The preprocess sums dL/dsink per warp of 16 query rows (templates/include/fagen/algo/
+# backward_rows.cuh); the dQ conversion adds those partials up.
+SINK_PARTIAL_ROWS = 16
+
+
 def dq_accum_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
 
@@ -229,11 +302,13 @@ class BackwardWorkspace:
     buffer (FagenBwdParams: dq_accum, softmax_d, lse_log2), and the int32 semaphores of the
     deterministic mode (their own, zeroed buffer: one per query block of the main kernel).
     The dQ accumulator holds dq_accum_rows(seqlen_q) rows of head_dim floats per (batch,
-    head); softmax_d and lse_log2 one float per query row."""
+    head); softmax_d and lse_log2 one float per query row; sink_partials (FagenBwdParams, read
+    by kernels with sinks) one float per SINK_PARTIAL_ROWS query rows of each (batch, head)."""
 
     dq_accum: int
     softmax_d: int
     lse_log2: int
+    sink_partials: int
     floats: int
     semaphores: int
 
@@ -242,8 +317,9 @@ class BackwardWorkspace:
            block_m: int) -> "BackwardWorkspace":
         rows = batch * heads_q * seqlen_q
         accum = batch * heads_q * dq_accum_rows(seqlen_q) * head_dim
-        return cls(dq_accum=0, softmax_d=accum, lse_log2=accum + rows, floats=accum + 2 * rows,
-                   semaphores=batch * heads_q * -(-seqlen_q // block_m))
+        partials = batch * heads_q * -(-seqlen_q // SINK_PARTIAL_ROWS)
+        return cls(dq_accum=0, softmax_d=accum, lse_log2=accum + rows, sink_partials=accum + 2 * rows,
+                   floats=accum + 2 * rows + partials, semaphores=batch * heads_q * -(-seqlen_q // block_m))
 
 
 @dataclass(frozen=True)
@@ -339,7 +415,7 @@ CONTRACT_HEADER = "include/fagen/contract.h"
 def _cpp_key_expression() -> str:
     """KEY_FORMAT as a C++ expression over kernel_key()'s parameters."""
     fields = {"direction": "direction", "dtype": "dtype", "head_dim": "std::to_string(head_dim)",
-              "mask": "mask"}
+              "variant": "variant"}
     parts = ['std::string()']
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT):
         if literal:
@@ -374,16 +450,18 @@ inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long ba
 inline long long dq_accum_rows(long long seqlen_q) {
     return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
 }
-/* BackwardWorkspace.of: float offsets of dq_accum, softmax_d, lse_log2 in one fp32 buffer of
-   `floats`; `semaphores` ints for the deterministic mode (block_m: the main kernel's). */
+/* BackwardWorkspace.of: float offsets of dq_accum, softmax_d, lse_log2, sink_partials in one fp32
+   buffer of `floats`; `semaphores` ints for the deterministic mode (block_m: the main kernel's). */
 struct BackwardWorkspace {
-    long long dq_accum, softmax_d, lse_log2, floats, semaphores;
+    long long dq_accum, softmax_d, lse_log2, sink_partials, floats, semaphores;
 };
 inline BackwardWorkspace backward_workspace(long long batch, long long heads_q, long long seqlen_q, long long head_dim,
                                             int block_m) {
     const long long rows = batch * heads_q * seqlen_q;
     const long long accum = batch * heads_q * dq_accum_rows(seqlen_q) * head_dim;
-    return {0, accum, accum + rows, accum + 2 * rows, batch * heads_q * ((seqlen_q + block_m - 1) / block_m)};
+    const long long partials = batch * heads_q * ((seqlen_q + FAGEN_SINK_PARTIAL_ROWS - 1) / FAGEN_SINK_PARTIAL_ROWS);
+    return {0, accum, accum + rows, accum + 2 * rows, accum + 2 * rows + partials,
+            batch * heads_q * ((seqlen_q + block_m - 1) / block_m)};
 }
 """
 
@@ -409,6 +487,8 @@ def render_contract_header() -> str:
         "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASKS. */",
         *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASKS)),
         "#define FAGEN_MASK_NAMES {" + ", ".join(f'"{name}"' for name in MASKS) + "}",
+        "/* The score modifiers, in the order a key spells them; fagen/contract.py, SCORE_MODS. */",
+        "#define FAGEN_SCORE_MOD_NAMES {" + ", ".join(f'"{name}"' for name in SCORE_MODS) + "}",
         "/* The smallest scale_log2 a kernel is launched with (softmax_scale 0 -> uniform",
         "   attention; see fagen/contract.py, kernel_scale_log2). */",
         f"#define FAGEN_MIN_SCALE_LOG2 {MIN_SCALE_LOG2!r}",
@@ -420,14 +500,22 @@ def render_contract_header() -> str:
         f"#define FAGEN_BWD_ROWS_PER_CTA {BWD_ROWS_PER_CTA}",
         f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
         f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
+        f"#define FAGEN_SINK_PARTIAL_ROWS {SINK_PARTIAL_ROWS}",
         "",
         "#ifdef __cplusplus",
         "#include <string>",
         "namespace fagen {",
-        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\"; mask is",
-        f"   one of {', '.join(MASKS)} (FAGEN_MASK_NAMES). */",
+        "/* variant_name: the mask (FAGEN_MASK_NAMES) and the score modifiers a key spells, e.g.",
+        f"   \"{variant_name('local', ('softcap',))}\" (FAGEN_SCORE_MOD_NAMES, in their order). */",
+        "inline std::string variant_name(const char* mask, bool softcap, bool alibi, bool sinks) {",
+        "    std::string variant = mask;",
+        *(f'    if ({mod}) variant += "+{mod}";' for mod in SCORE_MODS),
+        "    return variant;",
+        "}",
+        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\" (variant:",
+        "   variant_name). */",
         "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
-        "const char* mask) {",
+        "const std::string& variant) {",
         f"    return {_cpp_key_expression()};",
         "}",
         _CPP_RULES.rstrip("\n"),

@@ -2,16 +2,20 @@
 // fagen.hpp, the results checked against a CPU fp32 reference.
 //
 //   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--causal] [--window LEFT RIGHT]
+//                   [--softcap F] [--alibi] [--sinks]
 //                   [--batch 2] [--seqlen-q 300] [--seqlen-k 257] [--heads-q 4] [--heads-kv 2]
 //                   [--backward [--deterministic]] [--seed 0] [--tolerance T] [--dump DIR]
 //
+// The score modifiers (flash-attn's): --softcap F caps the scaled scores at F * tanh(score / F);
+// --alibi adds ALiBi's bias with the slopes 2^(-8 (h + 1) / heads_q); --sinks gives every query
+// head a sink logit 3 sin(h + 1) (and the backward its gradient).
 // --backward also runs the backward (Bundle::attention_backward) on a random dout and checks
 // dq, dk, dv; --deterministic runs it in the deterministic mode.
 // Exit status: 0 when every max abs error is within the tolerance, 1 when one is not, 2 when
 // the run could not happen (bad arguments, no driver, no kernel for this device).
 // --dump DIR writes q.bin, k.bin, v.bin, out.bin (raw 16-bit elements, (batch, seqlen, heads,
-// head_dim) contiguous), lse.bin (fp32, (batch, heads_q, seqlen_q)) and problem.json; with
-// --backward also dout.bin, dq.bin, dk.bin, dv.bin.
+// head_dim) contiguous), lse.bin (fp32, (batch, heads_q, seqlen_q)) and problem.json (with the
+// modifiers' values); with --backward also dout.bin, dq.bin, dk.bin, dv.bin (and dsinks.bin, fp32).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,6 +42,8 @@ struct Options {
     fagen::DType dtype = fagen::DType::bf16;
     bool causal = false, backward = false, deterministic = false;
     int window_left = -1, window_right = -1;  // flash-attn's window_size; -1: unbounded
+    float softcap = 0.0f;                     // 0: none
+    bool alibi = false, sinks = false;
     int head_dim = 64, batch = 2, seqlen_q = 300, seqlen_k = 257, heads_q = 4, heads_kv = 2;
     unsigned seed = 0;
     double tolerance = -1.0;  // < 0: the default for the dtype
@@ -52,12 +58,15 @@ bool parse(int argc, char** argv, Options& o) {
         if (flag == "--causal") o.causal = true;
         else if (flag == "--backward") o.backward = true;
         else if (flag == "--deterministic") o.deterministic = true;
+        else if (flag == "--alibi") o.alibi = true;
+        else if (flag == "--sinks") o.sinks = true;
         else if (!has_value) return false;
         else if (flag == "--window" && i + 2 < argc) {
             o.window_left = std::atoi(argv[++i]);
             o.window_right = std::atoi(argv[++i]);
         }
         else if (flag == "--bundle") o.bundle = argv[++i];
+        else if (flag == "--softcap") o.softcap = static_cast<float>(std::atof(argv[++i]));
         else if (flag == "--dump") o.dump = argv[++i];
         else if (flag == "--dtype") {
             const std::string name = argv[++i];
@@ -152,8 +161,26 @@ std::pair<int, int> visible_keys(const Options& o, int i) {
     return {first, last};
 }
 
-// softmax(q k^T * scale) v in fp32, flash-attn layout, over the keys visible_keys() gives; a row
-// that sees no key is zero.
+// The modifiers' values: ALiBi's slope and the sink logit of query head h.
+float alibi_slope(const Options& o, int h) { return std::exp2(-8.0f * static_cast<float>(h + 1) / o.heads_q); }
+float sink_logit(int h) { return 3.0f * std::sin(static_cast<float>(h + 1)); }
+
+// The logit of query row i and key j from their raw dot product: scaled, capped, biased; and in
+// `dcap` the cap's derivative 1 - tanh^2 (1 without a cap).
+float logit(const Options& o, float dot, float scale, int h, int i, int j, float& dcap) {
+    float x = dot * scale;
+    dcap = 1.0f;
+    if (o.softcap > 0) {
+        const float t = std::tanh(x / o.softcap);
+        x = o.softcap * t;
+        dcap = 1.0f - t * t;
+    }
+    if (o.alibi) x -= alibi_slope(o, h) * static_cast<float>(std::abs(i + o.seqlen_k - o.seqlen_q - j));
+    return x;
+}
+
+// softmax(logits) v in fp32, flash-attn layout, over the keys visible_keys() gives (and the
+// head's sink in the denominator); a row that sees no key is zero.
 std::vector<float> reference_attention(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                        float scale) {
     const int d = o.head_dim, group = o.heads_q / o.heads_kv;
@@ -164,15 +191,15 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
                 const float* qrow = &q.values[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d];
                 const auto [first_key, last_key] = visible_keys(o, i);
                 if (last_key < first_key) continue;
-                float max_score = -INFINITY;
+                float max_score = o.sinks ? sink_logit(h) : -INFINITY, dcap;
                 for (int j = first_key; j <= last_key; ++j) {
                     const float* krow = &k.values[((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d];
                     float dot = 0.0f;
                     for (int c = 0; c < d; ++c) dot += qrow[c] * krow[c];
-                    scores[j] = dot * scale;
+                    scores[j] = logit(o, dot, scale, h, i, j, dcap);
                     max_score = std::max(max_score, scores[j]);
                 }
-                float total = 0.0f;
+                float total = o.sinks ? std::exp(sink_logit(h) - max_score) : 0.0f;
                 for (int j = first_key; j <= last_key; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
                 float* orow = &out[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d];
                 for (int j = first_key; j <= last_key; ++j) {
@@ -184,18 +211,19 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
 }
 
 struct Gradients {
-    std::vector<float> dq, dk, dv;
+    std::vector<float> dq, dk, dv, dsinks;
 };
 
 // dq, dk, dv of reference_attention in fp32: P recomputed per row, dV += P^T dO,
-// dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK += scale dS^T Q; k/v gradients summed
-// over the query heads of their group.
+// dS = P * (dO V^T - rowsum(dO * O)) (times the cap's derivative), dQ = scale dS K,
+// dK += scale dS^T Q; k/v gradients summed over the query heads of their group; a sink's
+// gradient -sum over rows of P_sink * rowsum(dO * O).
 Gradients reference_backward(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                              const HostTensor& dout, float scale) {
     const int d = o.head_dim, group = o.heads_q / o.heads_kv;
     Gradients g{std::vector<float>(q.values.size(), 0.0f), std::vector<float>(k.values.size(), 0.0f),
-                std::vector<float>(v.values.size(), 0.0f)};
-    std::vector<float> probs(o.seqlen_k), dprobs(o.seqlen_k);
+                std::vector<float>(v.values.size(), 0.0f), std::vector<float>(o.sinks ? o.heads_q : 0, 0.0f)};
+    std::vector<float> probs(o.seqlen_k), dprobs(o.seqlen_k), dcaps(o.seqlen_k);
     for (int b = 0; b < o.batch; ++b)
         for (int h = 0; h < o.heads_q; ++h)
             for (int i = 0; i < o.seqlen_q; ++i) {
@@ -203,24 +231,26 @@ Gradients reference_backward(const Options& o, const HostTensor& q, const HostTe
                 const auto [first_key, last_key] = visible_keys(o, i);
                 if (last_key < first_key) continue;
                 auto kv_row = [&](int j) { return ((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d; };
-                float max_score = -INFINITY, total = 0.0f, rowsum = 0.0f;
+                float max_score = o.sinks ? sink_logit(h) : -INFINITY, rowsum = 0.0f;
                 for (int j = first_key; j <= last_key; ++j) {
                     float dot = 0.0f, dp = 0.0f;
                     for (int c = 0; c < d; ++c) {
                         dot += q.values[qi + c] * k.values[kv_row(j) + c];
                         dp += dout.values[qi + c] * v.values[kv_row(j) + c];
                     }
-                    probs[j] = dot * scale;
+                    probs[j] = logit(o, dot, scale, h, i, j, dcaps[j]);
                     dprobs[j] = dp;
                     max_score = std::max(max_score, probs[j]);
                 }
+                float total = o.sinks ? std::exp(sink_logit(h) - max_score) : 0.0f;
                 for (int j = first_key; j <= last_key; ++j) total += (probs[j] = std::exp(probs[j] - max_score));
                 for (int j = first_key; j <= last_key; ++j) {
                     probs[j] /= total;
                     rowsum += probs[j] * dprobs[j];  // = rowsum(dO * O) of this row
                 }
+                if (o.sinks) g.dsinks[h] -= std::exp(sink_logit(h) - max_score) / total * rowsum;
                 for (int j = first_key; j <= last_key; ++j) {
-                    const float ds = probs[j] * (dprobs[j] - rowsum) * scale;
+                    const float ds = probs[j] * (dprobs[j] - rowsum) * dcaps[j] * scale;
                     for (int c = 0; c < d; ++c) {
                         g.dq[qi + c] += ds * k.values[kv_row(j) + c];
                         g.dk[kv_row(j) + c] += ds * q.values[qi + c];
@@ -254,7 +284,8 @@ bool write_raw(const std::string& path, const void* data, size_t bytes) {
 }
 
 bool dump(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<uint16_t>& out,
-          const std::vector<float>& lse, float scale, const char* kernel, const std::vector<std::vector<uint16_t>>& grads) {
+          const std::vector<float>& lse, float scale, const char* kernel, const std::vector<std::vector<uint16_t>>& grads,
+          const std::vector<float>& dsinks) {
     const std::string dir = o.dump + "/";
     std::ofstream json(dir + "problem.json");
     json << std::setprecision(9);  // enough digits to round-trip the fp32 scale
@@ -262,12 +293,17 @@ bool dump(const Options& o, const HostTensor& q, const HostTensor& k, const Host
          << ", \"window_size\": [" << o.window_left << ", " << o.window_right << "]"
          << ", \"batch\": " << o.batch << ", \"seqlen_q\": " << o.seqlen_q << ", \"seqlen_k\": " << o.seqlen_k
          << ", \"heads_q\": " << o.heads_q << ", \"heads_kv\": " << o.heads_kv << ", \"head_dim\": " << o.head_dim
-         << ", \"softmax_scale\": " << scale << ", \"kernel\": \"" << kernel << "\", \"backward\": "
+         << ", \"softmax_scale\": " << scale << ", \"softcap\": " << o.softcap << ", \"alibi_slopes\": [";
+    for (int h = 0; o.alibi && h < o.heads_q; ++h) json << (h ? ", " : "") << alibi_slope(o, h);
+    json << "], \"sinks\": [";
+    for (int h = 0; o.sinks && h < o.heads_q; ++h) json << (h ? ", " : "") << sink_logit(h);
+    json << "], \"kernel\": \"" << kernel << "\", \"backward\": "
          << (grads.empty() ? "false" : "true") << ", \"deterministic\": " << (o.deterministic ? "true" : "false") << "}\n";
     const char* grad_names[] = {"dout", "dq", "dk", "dv"};
     for (size_t i = 0; i < grads.size(); ++i) {
         if (!write_raw(dir + grad_names[i] + ".bin", grads[i].data(), grads[i].size() * 2)) return false;
     }
+    if (!dsinks.empty() && !write_raw(dir + "dsinks.bin", dsinks.data(), dsinks.size() * 4)) return false;
     return static_cast<bool>(json) && write_raw(dir + "q.bin", q.bits.data(), q.bits.size() * 2) &&
            write_raw(dir + "k.bin", k.bits.data(), k.bits.size() * 2) &&
            write_raw(dir + "v.bin", v.bits.data(), v.bits.size() * 2) &&
@@ -284,7 +320,8 @@ int fail(const std::string& message) {
 // CPU reference; writes their errors into `errors` and their bits into `grads` (dout first).
 fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen::Attention& forward, const HostTensor& q,
                            const HostTensor& k, const HostTensor& v, std::mt19937& rng, float scale,
-                           std::vector<double>& errors, std::vector<std::vector<uint16_t>>& grads) {
+                           std::vector<double>& errors, std::vector<std::vector<uint16_t>>& grads,
+                           std::vector<float>& dsinks) {
     const fagen::Driver& cu = *fagen::driver().value();
     const size_t q_count = q.bits.size(), kv_count = k.bits.size();
     const HostTensor dout = random_tensor(q_count, o.dtype, rng);
@@ -301,6 +338,7 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
         {&b.dout, q_count * 2}, {&b.dq, q_count * 2}, {&b.dk, kv_count * 2}, {&b.dv, kv_count * 2},
         {&b.workspace, workspace_bytes}};
     if (o.deterministic) allocations.emplace_back(&b.semaphores, semaphore_bytes);
+    if (o.sinks) allocations.emplace_back(&b.dsinks, size_t(o.heads_q) * 4);
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return s;
     }
@@ -326,12 +364,27 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
             !s.ok())
             return s;
     }
-    for (CUdeviceptr pointer : {b.dout, b.dq, b.dk, b.dv, b.workspace, b.semaphores}) {
+    dsinks.assign(o.sinks ? o.heads_q : 0, 0.0f);
+    if (o.sinks) {
+        if (fagen::Status s = cu.check(cu.memcpy_dtoh(dsinks.data(), b.dsinks, dsinks.size() * 4), "cuMemcpyDtoH(dsinks)");
+            !s.ok())
+            return s;
+    }
+    for (CUdeviceptr pointer : {b.dout, b.dq, b.dk, b.dv, b.workspace, b.semaphores, b.dsinks}) {
         if (pointer) cu.mem_free(pointer);
     }
     const Gradients expected = reference_backward(o, q, k, v, dout, scale);
     errors = {relative_max_error(grads[1], expected.dq, o.dtype), relative_max_error(grads[2], expected.dk, o.dtype),
               relative_max_error(grads[3], expected.dv, o.dtype)};
+    if (o.sinks) {
+        double error = 0.0, size = 1e-30;
+        for (int h = 0; h < o.heads_q; ++h) {
+            const double e = std::fabs(static_cast<double>(dsinks[h]) - expected.dsinks[h]);
+            error = std::isnan(e) ? INFINITY : std::max(error, e);
+            size = std::max(size, std::fabs(static_cast<double>(expected.dsinks[h])));
+        }
+        errors.push_back(error / size);
+    }
     return fagen::Status();
 }
 
@@ -341,7 +394,7 @@ int main(int argc, char** argv) {
     Options o;
     if (!parse(argc, argv, o)) {
         std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--causal] [--window LEFT RIGHT] [--batch N] "
-                             "[--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] "
+                             "[--softcap F] [--alibi] [--sinks] [--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] "
                              "[--backward [--deterministic]] [--seed N] [--tolerance T] [--dump DIR]\n", argv[0]);
         return 2;
     }
@@ -353,7 +406,8 @@ int main(int argc, char** argv) {
     const fagen::Result<fagen::CallMask> mask =
         fagen::call_mask(o.causal, o.window_left, o.window_right, o.seqlen_q, o.seqlen_k);
     if (!mask.ok()) return fail(mask.status().message());
-    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, mask.value().kind), o.seqlen_k);
+    const std::string variant = fagen::variant_name(mask.value().kind, o.softcap > 0, o.alibi, o.sinks);
+    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, variant), o.seqlen_k);
     if (!kernel.ok()) return fail(kernel.status().message());
     const char* kernel_name = kernel.value()->info().name;
 
@@ -395,6 +449,20 @@ int main(int argc, char** argv) {
     a.head_dim = o.head_dim;
     const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
     a.softmax_scale = scale;
+    a.softcap = o.softcap;
+    std::vector<float> slopes, sinks;
+    for (int h = 0; h < o.heads_q; ++h) {
+        if (o.alibi) slopes.push_back(alibi_slope(o, h));
+        if (o.sinks) sinks.push_back(sink_logit(h));
+    }
+    for (const auto& [pointer, values] : {std::pair<CUdeviceptr*, std::vector<float>*>{&a.alibi_slopes, &slopes},
+                                          {&a.sinks, &sinks}}) {
+        if (values->empty()) continue;
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, values->size() * 4), "cuMemAlloc"); !s.ok()) return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memcpy_htod(*pointer, values->data(), values->size() * 4), "cuMemcpyHtoD");
+            !s.ok())
+            return fail(s.message());
+    }
     CUstream stream = nullptr;  // the legacy default stream
     if (fagen::Status s = bundle->attention(a, stream); !s.ok()) return fail(s.message());
     if (fagen::Status s = cu.check(cu.stream_synchronize(stream), "cuStreamSynchronize"); !s.ok()) return fail(s.message());
@@ -407,11 +475,14 @@ int main(int argc, char** argv) {
         return fail(s.message());
     std::vector<double> grad_errors;
     std::vector<std::vector<uint16_t>> grads;  // dout, dq, dk, dv
+    std::vector<float> dsinks;
     if (o.backward) {
-        if (fagen::Status s = run_backward(o, bundle.value(), a, q, k, v, rng, scale, grad_errors, grads); !s.ok())
+        if (fagen::Status s = run_backward(o, bundle.value(), a, q, k, v, rng, scale, grad_errors, grads, dsinks); !s.ok())
             return fail(s.message());
     }
-    for (CUdeviceptr pointer : {a.q, a.k, a.v, a.out, a.lse}) cu.mem_free(pointer);
+    for (CUdeviceptr pointer : {a.q, a.k, a.v, a.out, a.lse, a.alibi_slopes, a.sinks}) {
+        if (pointer) cu.mem_free(pointer);
+    }
 
     const std::vector<float> expected = reference_attention(o, q, k, v, scale);
     double max_error = 0.0;
@@ -422,7 +493,7 @@ int main(int argc, char** argv) {
     // The output's own rounding (8 or 11 significant bits) plus the kernel's 16-bit P@V; the
     // precise 2x-of-torch rule is checked by tests/gpu/test_cpp_example.py (3x for gradients).
     const double tolerance = o.tolerance >= 0 ? o.tolerance : (o.dtype == fagen::DType::bf16 ? 4e-2 : 6e-3);
-    if (!o.dump.empty() && !dump(o, q, k, v, out_bits, lse, scale, kernel_name, grads)) {
+    if (!o.dump.empty() && !dump(o, q, k, v, out_bits, lse, scale, kernel_name, grads, dsinks)) {
         return fail("cannot write the dump into " + o.dump + " (does the directory exist?)");
     }
     bool passed = max_error <= tolerance;
@@ -432,8 +503,8 @@ int main(int argc, char** argv) {
     std::printf("max abs error vs CPU fp32 reference: %.3g (tolerance %.3g): %s\n", max_error, tolerance,
                 passed ? "PASS" : "FAIL");
     if (o.backward) {
-        const char* names[] = {"dq", "dk", "dv"};
-        for (int i = 0; i < 3; ++i) {
+        const char* names[] = {"dq", "dk", "dv", "dsinks"};
+        for (size_t i = 0; i < grad_errors.size(); ++i) {
             const bool ok = grad_errors[i] <= tolerance;
             passed = passed && ok;
             std::printf("%s%s: max abs error / max |reference|: %.3g (tolerance %.3g): %s\n", names[i],

@@ -10,8 +10,9 @@ Mistral, ...). Two registrations, both under the same name:
 - the attention function (``AttentionInterface``): transformers hands it q, k, v as
   (batch, heads, seq, head_dim); it calls ``fagen.torch.flash_attn_func`` on transposed views
   (batch, seq, heads, head_dim), k/v with their own heads (GQA without repeat_kv),
-  ``causal`` from ``is_causal`` (the call's, else the module's) and ``softmax_scale=scaling``,
-  and returns (attn_output (batch, seq, heads, head_dim), None) like transformers' own;
+  ``causal`` from ``is_causal`` (the call's, else the module's), ``softmax_scale=scaling``,
+  the model's ``sliding_window`` (Mistral, Qwen2, Gemma-2, gpt-oss), ``softcap`` (Gemma-2's
+  attn_logit_softcapping) and ``s_aux`` as ``learnable_sink`` (gpt-oss's sinks), and returns (attn_output (batch, seq, heads, head_dim), None) like transformers' own;
 - the mask function (``AttentionMaskInterface``, transformers >= 4.53): the model's
   ``create_causal_mask`` asks it for the mask of each forward. It returns None (no mask is
   built) when the mask is the plain causal or full pattern with no padding, and refuses
@@ -21,7 +22,7 @@ Mistral, ...). Two registrations, both under the same name:
 What fagen's kernels cannot do is refused with NotImplementedError (naming it and pointing at
 ``attn_implementation="sdpa"``), never ignored: dropout > 0, padding or any mask beyond the
 causal/full pattern (packed sequences, a StaticCache's unfilled slots, custom masks), chunked
-attention that masks something, softcap, attention sinks, position biases,
+attention that masks something, position biases,
 output_attentions=True, and head dims fagen has no kernel for. Masks that arrive already
 materialised (4-D, e.g. passed by the caller or built by transformers < 4.53) are accepted when
 they are all-ones or exactly the bottom-right causal pattern; that check reads the mask (a
@@ -231,8 +232,6 @@ def _causal_from_mask(mask, q_length: int, kv_length: int, is_causal: bool, modu
 
 # Keyword arguments some models pass to their attention function for features fagen lacks.
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "a position bias",
     "cu_seq_lens_q": "packed (varlen) sequences",
     "cu_seq_lens_k": "packed (varlen) sequences",
@@ -244,8 +243,6 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
     if dropout:
         raise _refuse(f"attention dropout (dropout={dropout})", module,
                       hint="set config.attention_dropout=0.0, or model.eval()")
-    if softcap:
-        raise _refuse(f"softcap={softcap}", module)
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise _refuse(f"{what} ({name}=...)", module)
@@ -281,6 +278,12 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
         # transformers' window of W keys is q - W + 1 ... q (flash-attn's window_size W - 1, as
         # transformers' own flash-attention integration passes it).
         extra["window_size"] = (int(sliding_window) - 1, int(sliding_window) - 1)
+    if softcap:  # Gemma-2's attn_logit_softcapping: softcap * tanh(scores / softcap)
+        extra["softcap"] = float(softcap)
+    # gpt-oss's sinks (its attention passes s_aux=self.sinks): a logit per head in the softmax.
+    sink = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sink is not None:
+        extra["learnable_sink"] = sink
     out = _flash_attn_func()(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=causal, softmax_scale=scaling, **extra)

@@ -51,7 +51,8 @@ class Tensor:
 class Problem:
     """The shape of one call: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k,
     heads_kv, head_dim), out like q, lse (batch, heads_q, seqlen_q) fp32; the mask from `causal`
-    and `window_size` by flash-attn's rule (contract.call_mask)."""
+    and `window_size` by flash-attn's rule (contract.call_mask); the score modifiers (softcap
+    value, whether ALiBi slopes and sinks come with the call: their arrays are ScoreTensors)."""
 
     dtype: str  # "fp16" | "bf16"
     causal: bool
@@ -62,14 +63,43 @@ class Problem:
     heads_kv: int
     head_dim: int
     window_size: tuple[int, int] = (-1, -1)
+    score: contract.Score = contract.Score()
 
     @property
     def mask(self) -> contract.Mask:
         return contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
 
+    def direction_key(self, direction: str) -> str:
+        return contract.kernel_key(direction, self.dtype, self.head_dim, self.mask.kind, self.score.mods)
+
     @property
     def key(self) -> str:
-        return contract.kernel_key("fwd", self.dtype, self.head_dim, self.mask.kind)
+        return self.direction_key("fwd")
+
+
+@dataclass(frozen=True)
+class ScoreTensors:
+    """The device arrays of a call's score modifiers (0: not given): ALiBi slopes, fp32 of
+    (heads_q,) with alibi_batch_stride 0 or of (batch, heads_q) with alibi_batch_stride heads_q;
+    sinks, fp32 (heads_q,); and a backward's dsinks, fp32 (heads_q,), which it writes."""
+
+    alibi_slopes: int = 0
+    alibi_batch_stride: int = 0
+    sinks: int = 0
+    dsinks: int = 0
+
+
+def _check_score_tensors(problem: Problem, arrays: ScoreTensors, backward: bool = False) -> None:
+    needed = {"alibi_slopes": problem.score.alibi, "sinks": problem.score.sinks,
+              "dsinks": backward and problem.score.sinks}
+    for name, wanted in needed.items():
+        address = getattr(arrays, name)
+        if wanted and (address == 0 or address % 4):
+            raise AttentionError(f"{name}: a non-null, 4-byte aligned fp32 device array of "
+                                 f"({problem.heads_q},) is needed for this call")
+    if problem.score.alibi and arrays.alibi_batch_stride not in (0, problem.heads_q):
+        raise AttentionError(f"alibi_slopes: batch stride {arrays.alibi_batch_stride} must be 0 "
+                             f"((nheads,) slopes) or nheads={problem.heads_q} ((batch, nheads))")
 
 
 def check_problem(problem: Problem) -> None:
@@ -88,6 +118,8 @@ def check_problem(problem: Problem) -> None:
         problem.mask
     except contract.MaskError as error:
         raise AttentionError(str(error)) from None
+    if not isinstance(problem.score, contract.Score):
+        raise AttentionError(f"score={problem.score!r}: a fagen.contract.Score")
 
 
 def _check_tensor(name: str, tensor: Tensor, tma: bool) -> None:
@@ -154,8 +186,15 @@ def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch
     )))
 
 
+def _score_fields(scale: contract.KernelScale, arrays: ScoreTensors) -> dict:
+    """The score-modifier fields both parameter structs share (params.h)."""
+    return dict(scale_log2=scale.scale_log2, softcap_scale=scale.softcap_scale,
+                alibi_slopes=arrays.alibi_slopes or None, alibi_batch_stride=arrays.alibi_batch_stride,
+                sinks=arrays.sinks or None)
+
+
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-               scale_log2: float) -> FwdParams:
+               scale: contract.KernelScale, arrays: ScoreTensors = ScoreTensors()) -> FwdParams:
     """FagenFwdParams with o = lse = 0 (the launch fills them); lse is (batch, heads_q,
     seqlen_q) contiguous."""
     p = problem
@@ -167,8 +206,8 @@ def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         o_batch_stride=out.batch_stride, o_row_stride=out.row_stride, o_head_stride=out.head_stride,
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-        seqlen_k=p.seqlen_k, scale_log2=scale_log2,
-        window_left=p.mask.window_left, window_right=p.mask.window_right,
+        seqlen_k=p.seqlen_k, window_left=p.mask.window_left, window_right=p.mask.window_right,
+        **_score_fields(scale, arrays),
     )
 
 
@@ -202,6 +241,13 @@ class PreparedAttention:
             self.enqueue(out, lse, stream, workspace)
 
 
+def _check_entry(entry: KernelEntry, key: str) -> None:
+    """A kernel given by the caller must be one of the call's key: another mask or modifier would
+    read arrays the call does not have (a sink kernel without sinks reads address 0)."""
+    if entry.key != key:
+        raise AttentionError(f"kernel {entry.name} is a {entry.key} kernel; this call needs {key}")
+
+
 def select(bundle: Bundle, problem: Problem, device: int = 0,
            fa_version: int | None = None) -> KernelEntry:
     """The kernel `problem` runs on the device: the newest algorithm (or `fa_version`), the
@@ -212,7 +258,8 @@ def select(bundle: Bundle, problem: Problem, device: int = 0,
 
 def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             softmax_scale: float | None = None, device: int = 0,
-            entry: KernelEntry | None = None) -> PreparedAttention:
+            entry: KernelEntry | None = None,
+            score_tensors: ScoreTensors = ScoreTensors()) -> PreparedAttention:
     """Check the call, pick its kernel for the device (select(), unless `entry` names one of the
     bundle's kernels) and build everything its launches need. Raises AttentionError for a call
     the kernels cannot run, KernelNotFound when the bundle has no kernel for it, ScaleError for
@@ -221,8 +268,10 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
     if problem.seqlen_k == 0:
         raise AttentionError("need seqlen_k >= 1: without keys every row's result is O = 0 and "
                              "LSE = -inf, which the caller writes")
-    scale_log2 = contract.kernel_scale_log2(softmax_scale, problem.head_dim)
+    _check_score_tensors(problem, score_tensors)
+    scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
     entry = entry or select(bundle, problem, device)
+    _check_entry(entry, problem.key)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device)
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
@@ -234,20 +283,21 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
     extra = (tma_maps(problem, q, k, v, entry.launch),) if tma else ()
     workspace = 4 * entry.launch.workspace_floats(problem.seqlen_q, problem.heads_q, problem.batch)
     return PreparedAttention(bundle.kernel(entry), grid,
-                             bytes(fwd_params(problem, q, k, v, out, scale_log2)), extra, device,
-                             workspace)
+                             bytes(fwd_params(problem, q, k, v, out, scale, score_tensors)), extra,
+                             device, workspace)
 
 
 def attention(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
               lse: int = 0, *, softmax_scale: float | None = None, stream: int = 0,
-              device: int = 0, workspace: int = 0) -> None:
+              device: int = 0, workspace: int = 0,
+              score_tensors: ScoreTensors = ScoreTensors()) -> None:
     """prepare() and launch() in one call, asynchronous on `stream`; a call without any output
     element launches nothing. Rows that see no key get 0 and LSE -inf."""
     if problem.batch * problem.seqlen_q * problem.heads_q == 0:
         check_problem(problem)
         return
-    prepare(bundle, problem, q, k, v, out, softmax_scale, device).launch(out.data, lse, stream,
-                                                                         workspace)
+    prepare(bundle, problem, q, k, v, out, softmax_scale, device,
+            score_tensors=score_tensors).launch(out.data, lse, stream, workspace)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -273,8 +323,7 @@ class BackwardTensors:
 def select_backward(bundle: Bundle, problem: Problem, device: int = 0,
                     fa_version: int | None = None) -> KernelEntry:
     """The backward kernel for `problem` on the device (the key of its backward direction)."""
-    key = contract.kernel_key("bwd", problem.dtype, problem.head_dim, problem.mask.kind)
-    return bundle.select(key, driver.compute_capability(device), problem.seqlen_k,
+    return bundle.select(problem.direction_key("bwd"), driver.compute_capability(device), problem.seqlen_k,
                          fa_version=fa_version)
 
 
@@ -287,18 +336,19 @@ def backward_workspace(entry: KernelEntry, problem: Problem) -> contract.Backwar
 
 
 def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardWorkspace,
-                workspace: int, semaphores: int, scale_log2: float,
-                softmax_scale: float | None) -> BwdParams:
+                workspace: int, semaphores: int, scale: contract.KernelScale,
+                softmax_scale: float | None, arrays: ScoreTensors) -> BwdParams:
     p = problem
     params = BwdParams(
         q=t.q.data, k=t.k.data, v=t.v.data, o=t.out.data, dout=t.dout.data, lse=t.lse,
         dq=t.dq.data, dk=t.dk.data, dv=t.dv.data,
         dq_accum=workspace + 4 * layout.dq_accum, softmax_d=workspace + 4 * layout.softmax_d,
         lse_log2=workspace + 4 * layout.lse_log2, dq_semaphore=semaphores or None,
+        sink_partials=workspace + 4 * layout.sink_partials, dsinks=arrays.dsinks or None,
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
-        seqlen_k=p.seqlen_k, scale_log2=scale_log2,
-        window_left=p.mask.window_left, window_right=p.mask.window_right,
+        seqlen_k=p.seqlen_k, window_left=p.mask.window_left, window_right=p.mask.window_right,
+        **_score_fields(scale, arrays),
         softmax_scale=contract.default_softmax_scale(p.head_dim) if softmax_scale is None
         else softmax_scale,
     )
@@ -312,18 +362,22 @@ def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardW
 
 def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, *,
                        workspace: int, semaphores: int = 0, softmax_scale: float | None = None,
-                       stream: int = 0, device: int = 0, entry: KernelEntry | None = None) -> None:
+                       stream: int = 0, device: int = 0, entry: KernelEntry | None = None,
+                       score_tensors: ScoreTensors = ScoreTensors()) -> None:
     """dq, dk, dv of one attention: the three backward kernels (fagen/contract.py, "Backward
     kernels") on `stream`, asynchronous. `workspace`: a device buffer of
     backward_workspace(...).floats fp32; `semaphores`: 0, or a zeroed int32 buffer of
     backward_workspace(...).semaphores for the deterministic mode (the same gradients, bit
-    for bit, on every run). Raises like prepare()."""
+    for bit, on every run); `score_tensors`: the modifiers' arrays, and with sinks dsinks, which
+    the backward writes (deterministic in either mode). Raises like prepare()."""
     check_problem(problem)
     if problem.seqlen_k == 0 or problem.batch * problem.seqlen_q * problem.heads_q == 0:
         raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
                              "gradients of an empty attention are zeros, which the caller writes)")
-    scale_log2 = contract.kernel_scale_log2(softmax_scale, problem.head_dim)
+    _check_score_tensors(problem, score_tensors, backward=True)
+    scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
     entry = entry or select_backward(bundle, problem, device)
+    _check_entry(entry, problem.direction_key("bwd"))
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv)
     rows = contract.bwd_row_grid(problem.seqlen_q, problem.heads_q, problem.batch)
@@ -336,7 +390,7 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
     if not workspace:
         raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
     params = _bwd_params(problem, tensors, backward_workspace(entry, problem), workspace, semaphores,
-                         scale_log2, softmax_scale)
+                         scale, softmax_scale, score_tensors)
     extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum),) if tma else ()
     kernel = bundle.kernel(entry)
     with driver.primary_context(device):

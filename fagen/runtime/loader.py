@@ -100,9 +100,12 @@ def select(
 
 
 def _parse_key(key: str) -> dict | None:
-    """``fwd/bf16/hd128/causal`` -> its fields; None when the key has another shape."""
+    """``fwd/bf16/hd128/causal+softcap`` -> its fields (with the variant's spelling); None when
+    the key has another shape."""
     parsed = contract.KernelKey.parse(key)
-    return None if parsed is None else dataclasses.asdict(parsed)
+    if parsed is None:
+        return None
+    return {**dataclasses.asdict(parsed), "variant": contract.variant_name(parsed.mask, parsed.mods)}
 
 
 def _compact_keys(keys: set[str]) -> str:
@@ -114,7 +117,7 @@ def _compact_keys(keys: set[str]) -> str:
         if fields is None:
             others.append(key)
             continue
-        group = (fields["direction"], fields["dtype"], fields["mask"])
+        group = (fields["direction"], fields["dtype"], fields["variant"])
         head_dims[group].append(fields["head_dim"])
     grouped = []
     for (direction, dtype, mask), dims in sorted(head_dims.items()):
@@ -153,7 +156,8 @@ def _not_found_message(entries, key: str, compute_capability: tuple[int, int], b
         snippet = (
             f"{{fa_version: 2, arch: {_arch_for(compute_capability)}, direction: {fields['direction']}, "
             f"dtype: {fields['dtype']}, head_dim: {fields['head_dim']}, "
-            f"mask: {fields['mask']}}}"
+            f"mask: {fields['mask']}" + (f", score: {'+'.join(fields['mods'])}" if fields["mods"] else "")
+            + "}"
         )
         lines.append(
             f"To add it, put this entry under `kernels:` in your spec: {snippet} "

@@ -1,7 +1,7 @@
 """What every kernel spec shares; each algorithm (fa1.py ... fa4.py) subclasses it.
 
 A spec is one frozen, validated description of a kernel variant: the fields every kernel has
-(fa_version, arch, direction, dtype, head_dim, mask, max_seqlen_k) and a `tile`, which is the
+(fa_version, arch, direction, dtype, head_dim, mask, score, max_seqlen_k) and a `tile`, which is the
 algorithm's own model. Each algorithm's spec class owns its tile model, its geometry (derived
 constants and the limits it checks: shared memory, registers, TMEM), the constexprs its template
 receives and its launch description; `KernelSpec.model_validate(fields)` picks the class by
@@ -183,6 +183,10 @@ class KernelSpec(BaseModel):
     # The masks (contract.MASKS) the algorithm's kernels implement, and why not the others.
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = ""
+    # The score modifiers (contract.SCORE_MODS) the algorithm's kernels implement, and why not
+    # the others.
+    SCORE_MODS: ClassVar[tuple[str, ...]] = contract.SCORE_MODS
+    WHY_SCORE_MODS: ClassVar[str] = ""
 
     fa_version: int = Field(description="the algorithm: 1-4 (FlashAttention's versions; with "
                             "`direction` it picks the template, below)")
@@ -198,6 +202,13 @@ class KernelSpec(BaseModel):
         "mask.cuh): full, causal (bottom-right aligned) or local (a sliding window, its sizes "
         "given at run time; causal with a window is local too). `causal: true` is shorthand for "
         "mask: causal, `causal: false` for mask: full")
+    score: tuple[Literal[contract.SCORE_MODS], ...] = Field(
+        (), description="the score modifiers built in (templates/include/fagen/algo/score.cuh), "
+        "joined by + as a key spells them, e.g. softcap+sinks: softcap (scores -> softcap * "
+        "tanh(scores / softcap), the value given at run time), alibi (ALiBi's distance bias, "
+        "the slopes given at run time), sinks (a learnable logit per head in each row's "
+        "softmax, with its gradient); none (the default) for plain scores. A list builds one "
+        "kernel per entry, like every other field")
     tile: TileBase
     max_seqlen_k: int | None = Field(
         None, gt=0, description="the runtime prefers this kernel for calls with at most this "
@@ -220,6 +231,8 @@ class KernelSpec(BaseModel):
         data = handler(self)
         if data.get("max_seqlen_k") is None:
             data.pop("max_seqlen_k", None)
+        if not data.get("score"):
+            data.pop("score", None)
         if data.get("mask") in ("full", "causal"):
             data["causal"] = data.pop("mask") == "causal"
         return data
@@ -252,6 +265,7 @@ class KernelSpec(BaseModel):
         try:
             arch, head_dim = Arch(data["arch"]), int(data["head_dim"])
             mask = data.get("mask", "full")
+            score = tuple(cls._parse_score(data.get("score", ())))
         except (KeyError, ValueError, TypeError, OverflowError):
             return data  # a field missing or malformed: field validation names it
         # A field's own limit comes first: the tuning table's "give the tile explicitly" would
@@ -261,7 +275,7 @@ class KernelSpec(BaseModel):
         cls._check_arch(arch)
         if mask in contract.MASKS:
             cls._check_mask(mask)
-        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"))
+        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score)
         return {**data, "tile": tile.model_dump()}
 
     @classmethod
@@ -293,6 +307,26 @@ class KernelSpec(BaseModel):
             raise ValueError(f"mask={value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} has the "
                              f"{', '.join(cls.MASKS)} masks only ({cls.WHY_MASKS})")
         return value
+
+    @field_validator("score", mode="before")
+    @classmethod
+    def _parse_score(cls, value: Any) -> Any:
+        """`softcap+sinks` (the key's spelling) or `none`; a list of modifiers as dumped."""
+        if isinstance(value, str):
+            return () if value in ("", "none") else tuple(value.split("+"))
+        return value
+
+    @field_validator("score")
+    @classmethod
+    def _check_score(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"score={list(value)}: each modifier once")
+        missing = [mod for mod in value if mod not in cls.SCORE_MODS]
+        if missing:
+            takes = ", ".join(cls.SCORE_MODS) or "none"
+            raise ValueError(f"score: {', '.join(missing)}: fa_version={cls.FA_VERSION} {cls.DIRECTION} "
+                             f"takes {takes} ({cls.WHY_SCORE_MODS})")
+        return tuple(mod for mod in contract.SCORE_MODS if mod in value)
 
     @model_validator(mode="after")
     def _check_geometry(self) -> "KernelSpec":
@@ -328,6 +362,7 @@ class KernelSpec(BaseModel):
         return [
             Constexpr("kIsBf16", self.dtype == "bf16"),
             Constexpr("kMask", EnumValue("fagen::algo::MaskKind", MASK_KINDS[self.mask])),
+            *(Constexpr(f"k{mod.capitalize()}", mod in self.score) for mod in contract.SCORE_MODS),
             Constexpr("kHeadDim", self.head_dim),
             *self.algorithm_constexprs(),
         ]
@@ -345,10 +380,15 @@ class KernelSpec(BaseModel):
         bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
         return (
             f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
-            f"hd{self.head_dim}_{self.mask}_{self.tile.short}{bound}_{self.short_hash}"
+            f"hd{self.head_dim}_{self.variant.replace('+', '_')}_{self.tile.short}{bound}_{self.short_hash}"
         )
 
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
-        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask)
+        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.score)
+
+    @property
+    def variant(self) -> str:
+        """The mask and score modifiers, as the key spells them (e.g. local+softcap)."""
+        return contract.variant_name(self.mask, self.score)

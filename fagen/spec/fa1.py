@@ -128,6 +128,9 @@ class Fa1ForwardSpec(KernelSpec):
     MASKS: ClassVar[tuple[str, ...]] = ("full", "causal")
     WHY_MASKS: ClassVar[str] = ("FA1 is the lineage benchmark's baseline, which measures the full "
                                 "and causal masks; windows are FA2's and FA3's")
+    SCORE_MODS: ClassVar[tuple[str, ...]] = ()
+    WHY_SCORE_MODS: ClassVar[str] = ("FA1 is the lineage benchmark's baseline, which has no score "
+                                     "modifiers; they are FA2's and FA3's")
 
     fa_version: Literal[1]
     direction: Literal["fwd"] = "fwd"

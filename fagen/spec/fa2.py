@@ -131,6 +131,10 @@ TUNING: tuple[TuningRow, ...] = (
               "SDPA-FA2 (full/causal), within 1% of block_n 128, which spills on sm80; 55 KB smem"),
     TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 64,
               "fallback for 99 KB parts: 16 rows per warp, 55 KB smem"),
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 128,
+              "any score modifier: the 128 x 32 tile below (247 registers) spilled 16-24 bytes "
+              "with a modifier's registers on sm90 (sinks, ALiBi; 2026-12-02)",
+              score=("softcap", "alibi", "sinks")),
     TuningRow(Fa2Tile(block_m=128, block_n=32, warps=4, stages=2), 128,
               "32 rows per warp with block_n 32 keeps O (128) + S (32) under 255 regs (244-253, "
               "no spills on sm80/86/90): 0.94x/0.97x SDPA-FA2 against 0.82x/0.81x for 16 rows "

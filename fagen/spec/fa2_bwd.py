@@ -167,6 +167,13 @@ def head_dim_problem(head_dim: int) -> str | None:
 # on the H200 (run 101), not on an A100. ----
 # `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 64,
+              "softcap or ALiBi: the 128 x 128 tile below spilled 8-156 bytes with the "
+              "modifier's registers (2026-12-02), so head_dim 128's tile", score=("softcap", "alibi")),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 64,
+              "softcap or ALiBi on sm80's 163 KB: one Q / dO stage", score=("softcap", "alibi")),
     TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=2, warp_keys=32,
                          warp_queries=32), 64,
               "128 x 128, warps of 32 keys x 64 queries (S^T) and 32 x 32 (dK, dV, dQ): 247 / 223 "
@@ -178,6 +185,10 @@ TUNING: tuple[TuningRow, ...] = (
               "causal at 4k (0.84 / 0.88x SDPA-FA2)"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=4, stages=1), 64,
               "fallback for 99 KB parts: 55 KB"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 128,
+              "ALiBi: with two Q / dO stages the distance's registers spilled 8 bytes at head_dim "
+              "128 (2026-12-02); one stage, as on sm80", score=("alibi",)),
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
                          warp_queries=32), 128,
               "64 x 128, warps of 32 keys x 32 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x "

@@ -213,6 +213,10 @@ TUNING: tuple[TuningRow, ...] = (
               "252/328/405 for three consumers; ping-pong on the same tile is 8-10% slower now "
               "that the overlap inside a warpgroup works (run 20, sweep9)",
               causal=True, max_seqlen_k=4096),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
+              "softcap or ALiBi: the three-consumer row below spilled 12-120 bytes at its 160 "
+              "registers with the modifier's (2026-12-02); two consumers have 240",
+              score=("softcap", "alibi")),
     TuningRow(Fa3Tile(block_m=192, block_n=128, warps=16, stages=2, peel_masked_blocks=True,
                       mma_row_sum=True), 64,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 (+4) + P 32 regs) "
@@ -223,6 +227,10 @@ TUNING: tuple[TuningRow, ...] = (
               "instructions): +1...+5 % at 2k-16k non-causal, 0...+3 % causal 8k-16k (runs 57, "
               "58); on the two-consumer rows above it measured -5...+1 % (idle MUFU time, not "
               "issue slots, is what those lose: run 58). 121 KB smem"),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 128,
+              "any score modifier: the non-causal ping-pong tile of 160 keys below spilled 84 "
+              "bytes with the softcap's registers (2026-12-02); the causal row's tile",
+              score=("softcap", "alibi", "sinks")),
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, pingpong=True), 128,
               "short non-causal rows: 1k is 6.4 blocks of 160 keys (the last one 40% used) but 8 "
               "of 128; 519 vs 493 TFLOP/s (0.92 vs 0.88x cuDNN) at 1k, 573 vs 582 at 2k (run 20, "
@@ -238,6 +246,9 @@ TUNING: tuple[TuningRow, ...] = (
               "softmax overlaps the warpgroup's own P V (run 20, sweep9); block_n 160 wastes more "
               "of each diagonal block (437 at 2k); 161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
               causal=True),
+    TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2), 256,
+              "any score modifier: the causal row's tile, without the non-causal row's ping-pong "
+              "(whose causal mask code alone spilled 4 bytes)", score=("softcap", "alibi", "sinks")),
     TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2, pingpong=True), 256,
               "non-causal: O alone is 128 regs per consumer thread at head_dim 256, so block_n 80 "
               "(S 40 + P 20 regs) is the widest block that fits 240; it beat block_n 64 by 5-7% "

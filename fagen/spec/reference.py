@@ -30,6 +30,9 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{value}`" for value in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if origin is tuple and typing.get_args(annotation)[1:] == (Ellipsis,):
+        # A set of options, written as a key spells them (KernelSpec.score: softcap+sinks).
+        return f"`none`, or of {_type_name(typing.get_args(annotation)[0])} joined by `+`"
     if origin is not None:
         args = ", ".join(_type_name(arg) for arg in typing.get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
@@ -50,6 +53,8 @@ def _default(field: FieldInfo) -> str:
         return "null (omit)"
     if value == "":
         return '`""`'
+    if value == ():
+        return "`none`"
     return f"`{str(value).lower() if isinstance(value, bool) else value}`"
 
 
@@ -87,6 +92,8 @@ def _algorithm_section(spec: type[KernelSpec]) -> list[str]:
         f"- `arch`: {', '.join(f'`{a.value}`' for a in spec.ARCHS)} ({spec.WHY_ARCHS})",
         f"- `mask`: {', '.join(f'`{m}`' for m in spec.MASKS)}"
         + (f" ({spec.WHY_MASKS})" if spec.WHY_MASKS else ""),
+        f"- `score`: {', '.join(f'`{m}`' for m in spec.SCORE_MODS) or 'none'}"
+        + (f" ({spec.WHY_SCORE_MODS})" if spec.WHY_SCORE_MODS else ""),
         f"- `head_dim`: {_ranges(head_dims, step)}, multiples of {step}",
         f"- `tile` ({tile.__name__}; `auto` or omitted: the tuning table's choice):",
         "",

@@ -34,19 +34,26 @@ class TuningRow:
     # causal tiles are one), not their short-sequence bounds: windows are for long rows.
     causal: bool | None = None
     max_seqlen_k: int | None = None  # None: any seqlen_k not covered by a bounded row
+    # The score modifiers (contract.SCORE_MODS) the row is for: it serves only the kernels with
+    # one of them, before the rows for every kernel (None), where those modifiers' registers
+    # made the general tile spill.
+    score: tuple[str, ...] | None = None
 
 
-def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str) -> list[TuningRow]:
+def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
+                 score: tuple[str, ...] = ()) -> list[TuningRow]:
     rows = [r for r in algorithm.TUNING_ROWS if head_dim <= r.max_head_dim
             and r.causal in (None, mask != "full")
-            and not (mask == "local" and r.max_seqlen_k is not None)]
+            and not (mask == "local" and r.max_seqlen_k is not None)
+            and (r.score is None or set(r.score) & set(score))]
     if not rows:
         raise ValueError(
             f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
             f"{algorithm.DIRECTION} at head_dim={head_dim}; give the tile explicitly"
         )
     bucket = min(r.max_head_dim for r in rows)
-    return [r for r in rows if r.max_head_dim == bucket]
+    rows = [r for r in rows if r.max_head_dim == bucket]
+    return [r for r in rows if r.score is not None] + [r for r in rows if r.score is None]
 
 
 def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | None:
@@ -59,14 +66,14 @@ def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | N
 
 
 def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, mask: str = "full",
-                 max_seqlen_k: int | None = None) -> TileBase:
-    """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch` and the
-    mask, among the rows that serve calls of up to `max_seqlen_k` keys (None: the unbounded
-    rows).
+                 max_seqlen_k: int | None = None, score: tuple[str, ...] = ()) -> TileBase:
+    """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch`, the mask
+    and the score modifiers, among the rows that serve calls of up to `max_seqlen_k` keys
+    (None: the unbounded rows).
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = _bucket_rows(algorithm, head_dim, mask)
+    rows = _bucket_rows(algorithm, head_dim, mask, score)
     bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
     for row in (r for r in rows if r.max_seqlen_k == bound):

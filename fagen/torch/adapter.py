@@ -73,9 +73,41 @@ def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
         return _bundles[path]
 
 
-def kernel_key(dtype: torch.dtype, head_dim: int, mask: str) -> str:
-    """The forward's key for a torch dtype; mask: one of contract.MASKS."""
-    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, mask)
+def kernel_key(dtype: torch.dtype, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:
+    """The forward's key for a torch dtype; mask: one of contract.MASKS, mods of
+    contract.SCORE_MODS."""
+    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, mask, mods)
+
+
+def _check_score_inputs(q: torch.Tensor, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                        learnable_sink: Optional[torch.Tensor]) -> None:
+    """The score modifiers' rules (flash-attn's shapes); also run at trace time."""
+    contract.Score(softcap)  # finite, >= 0
+    batch, heads = q.shape[0], q.shape[2]
+    if alibi_slopes is not None:
+        if alibi_slopes.shape not in ((heads,), (batch, heads)) or not alibi_slopes.is_floating_point():
+            raise ValueError(f"fagen.flash_attn_func: alibi_slopes must be float of shape (nheads,) = "
+                             f"({heads},) or (batch, nheads) = ({batch}, {heads}), got "
+                             f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+    if learnable_sink is not None:
+        if learnable_sink.shape != (heads,) or not learnable_sink.is_floating_point():
+            raise ValueError(f"fagen.flash_attn_func: learnable_sink must be float of shape (nheads,) = "
+                             f"({heads},), got {learnable_sink.dtype} {tuple(learnable_sink.shape)}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"fagen.flash_attn_func: {name} must be on q's device {q.device}, got {t.device}")
+
+
+def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor]):
+    """The modifiers' arrays as the kernels read them (fp32, contiguous: copies where needed),
+    and the runtime's ScoreTensors of them."""
+    alibi = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
+    sink = None if learnable_sink is None else learnable_sink.to(torch.float32).contiguous()
+    arrays = runtime_call.ScoreTensors(
+        alibi_slopes=0 if alibi is None else alibi.data_ptr(),
+        alibi_batch_stride=0 if alibi is None or alibi.dim() == 1 else alibi.shape[1],
+        sinks=0 if sink is None else sink.data_ptr())
+    return arrays, (alibi, sink)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -147,17 +179,19 @@ def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
     return runtime_call.Tensor(t.data_ptr(), *_kernel_strides(t))
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int]) -> runtime_call.Problem:
+def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+             softcap: float = 0.0, alibi: bool = False, sinks: bool = False) -> runtime_call.Problem:
     batch, seqlen_q, heads_q, head_dim = q.shape
     return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
-                                heads_q, k.shape[2], head_dim, tuple(window))
+                                heads_q, k.shape[2], head_dim, tuple(window),
+                                contract.Score(softcap, alibi, sinks))
 
 
 class _PreparedLaunch(NamedTuple):
     """A launch prepared by the runtime, and what the adapter adds: the device and, until the
     launch is enqueued, the kernel-ready q, k, v the parameters point to (copies where the
-    inputs needed one); () once kept for later calls, which must not keep the caller's tensors
-    alive (the addresses are part of the cache key instead)."""
+    inputs needed one) and the modifiers' fp32 arrays; () once kept for later calls, which must
+    not keep the caller's tensors alive (the addresses are part of the cache key instead)."""
 
     attention: runtime_call.PreparedAttention
     inputs: tuple
@@ -165,13 +199,16 @@ class _PreparedLaunch(NamedTuple):
 
 def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, causal: bool, window: tuple[int, int],
-             softmax_scale: float | None) -> _PreparedLaunch:
+             softmax_scale: float | None, softcap: float = 0.0,
+             alibi_slopes: Optional[torch.Tensor] = None,
+             learnable_sink: Optional[torch.Tensor] = None) -> _PreparedLaunch:
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
-    prepared = runtime_call.prepare(
-        kernels, _problem(q, k, causal, window), _tensor(q), _tensor(k), _tensor(v), _tensor(out),
-        softmax_scale, q.device.index, entry)
-    return _PreparedLaunch(prepared, (q, k, v))
+    arrays, kept = _score_arrays(alibi_slopes, learnable_sink)
+    problem = _problem(q, k, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
+    prepared = runtime_call.prepare(kernels, problem, _tensor(q), _tensor(k), _tensor(v), _tensor(out),
+                                    softmax_scale, q.device.index, entry, arrays)
+    return _PreparedLaunch(prepared, (q, k, v, *kept))
 
 
 # torch's raw-stream query is ~20x cheaper than torch.cuda.current_stream(device); both name the
@@ -199,14 +236,17 @@ def _launch(prepared: _PreparedLaunch, out: torch.Tensor, lse: torch.Tensor) -> 
 def prepare_launch(
     kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, softmax_scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Everything a launch of `entry` (any kernel of the bundle for its key) on these tensors
     needs, done once; returns the launch itself, which enqueues on torch's current stream when
-    called. For tests and benchmarks that run a chosen kernel; `window_size` for a local one."""
+    called. For tests and benchmarks that run a chosen kernel; `window_size` for a local one,
+    the score modifiers' values and arrays for a kernel with them."""
     causal = contract.KernelKey.parse(entry.key).mask == "causal"
     with driver.primary_context(q.device.index):
-        prepared = _prepare(kernels, entry, q, k, v, out, causal, window_size, softmax_scale)
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, window_size, softmax_scale,
+                            softcap, alibi_slopes, learnable_sink)
     return functools.partial(_launch_in_primary_context, prepared, out, lse)
 
 
@@ -225,19 +265,28 @@ _prepared_launches: dict[tuple, _PreparedLaunch] = {}
 _PREPARED_LAUNCHES_KEPT = 1024  # distinct (shape, address) combinations; then start over
 
 
-def _call_signature(bundle, q, k, v, causal, window, softmax_scale) -> tuple:
-    return (_bundle_request(bundle), causal, window, softmax_scale, q.device, q.dtype, k.dtype, v.dtype,
+def _array_signature(t: Optional[torch.Tensor]) -> tuple:
+    return () if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+
+def _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
+                    learnable_sink) -> tuple:
+    return (_bundle_request(bundle), causal, window, softmax_scale, softcap, q.device, q.dtype, k.dtype, v.dtype,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, k.shape, v.shape,
-            q.stride(), k.stride(), v.stride())
+            q.stride(), k.stride(), v.stride(), _array_signature(alibi_slopes),
+            _array_signature(learnable_sink))
 
 
 def _flash_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor],
     causal: bool,
     window_left: int,
     window_right: int,
+    softcap: float,
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool = False,
@@ -247,7 +296,8 @@ def _flash_attn_fwd(
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
     window = (window_left, window_right)
-    signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale)
+    signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
+                                learnable_sink)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
         with driver.primary_context(prepared.attention.device):
@@ -257,12 +307,13 @@ def _flash_attn_fwd(
         return out, lse
 
     _check_inputs(q, k, v)
+    _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
     _check_device(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
     kernels = get_bundle(bundle)
     device = q.device.index
-    problem = _problem(q, k, causal, window)
+    problem = _problem(q, k, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
     runtime_call.check_problem(problem)  # the window's sizes, before any allocation
     entry = runtime_call.select(kernels, problem, device)
     with driver.primary_context(device):
@@ -271,12 +322,18 @@ def _flash_attn_fwd(
         if out.numel() == 0:
             return out, lse
         if k.shape[1] == 0:
-            # No key to attend to: the defined result of a row that sees nothing.
+            # No key to attend to: the defined result of a row that sees nothing (with a sink:
+            # the sink alone, whose value is 0).
             out.zero_()
-            lse.fill_(-math.inf)
+            if learnable_sink is None:
+                lse.fill_(-math.inf)
+            else:
+                lse.copy_(learnable_sink.to(torch.float32).view(1, heads_q, 1).expand_as(lse))
             return out, lse
-        prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale)
-        if all(ready is given for ready, given in zip(prepared.inputs, (q, k, v))):
+        prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale, softcap,
+                            alibi_slopes, learnable_sink)
+        given = (q, k, v, alibi_slopes, learnable_sink)
+        if all(ready is None or ready is arg for ready, arg in zip(prepared.inputs, given)):
             if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
                 _prepared_launches.clear()
             _prepared_launches[signature] = prepared._replace(inputs=())
@@ -288,8 +345,10 @@ flash_attn_fwd = torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=(
 
 
 @flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic=False):
+def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
+                         softmax_scale, bundle, deterministic=False):
     _check_inputs(q, k, v)
+    _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, heads_q, head_dim))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)

@@ -23,8 +23,6 @@ from .backward import FlashAttention
 # that value is accepted (it changes nothing), any other is refused rather than ignored.
 _UNSUPPORTED_OPTIONS = {
     "dropout_p": (0.0, "fagen's kernels have no dropout"),
-    "softcap": (0.0, "fagen's kernels do not cap the scores"),
-    "alibi_slopes": (None, "fagen's kernels have no ALiBi bias"),
     "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
 }
 
@@ -62,6 +60,9 @@ def flash_attn_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     bundle: str | os.PathLike | Bundle | None = None,
@@ -79,9 +80,16 @@ def flash_attn_func(
     >= seqlen_k) unbounded, right = 0 under causal; the time follows the window, not seqlen_k
     (local kernels, in the bundle as mask: local). `softmax_scale` defaults to 1/sqrt(head_dim); any finite scale >= 0
     works (0: uniform attention over the keys a row sees); negative, inf and NaN are refused.
+    `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma-2), with its
+    derivative in the backward. `alibi_slopes`, float (nheads,) or (batch, nheads), adds
+    -slope * |i + seqlen_k - seqlen_q - j| to the scaled scores (flash-attn's ALiBi; the slopes
+    get no gradient). `learnable_sink`, float (nheads,), is a logit per query head that joins
+    every row's softmax denominator and adds nothing to the output (gpt-oss's sinks), with its
+    gradient. Each is a kernel variant (score: softcap / alibi / sinks in the spec).
     `deterministic` makes the backward sum dQ in a fixed order (the same gradients, bit for bit,
     on every run; slower). `bundle` is a bundle directory or a loaded Bundle; default
-    $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p, softcap, alibi_slopes and return_attn_probs are accepted only at their "off" values.
+    $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p and return_attn_probs are
+    accepted only at their "off" values.
 
     Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
     LSE (batch, nheads_q, seqlen_q) in float32 (not differentiable).
@@ -98,6 +106,16 @@ def flash_attn_func(
     if window_left < -1 or window_right < -1:
         raise ValueError(f"fagen.flash_attn_func: window_size={tuple(window_size)}: each size must be "
                          ">= 0, or -1 for unbounded")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"fagen.flash_attn_func: softcap must be a number, got {softcap!r}")
+    softcap = float(softcap)
+    for name, array in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+        if array is not None and not isinstance(array, torch.Tensor):
+            raise TypeError(f"fagen.flash_attn_func: {name} must be a tensor or None, got {type(array).__name__}")
+    try:
+        contract.Score(softcap)
+    except contract.ScoreError as error:
+        raise ValueError(f"fagen.flash_attn_func: {error}") from None
     if not isinstance(deterministic, bool):
         raise TypeError(f"fagen.flash_attn_func: deterministic must be True or False, got "
                         f"{deterministic!r}")
@@ -116,12 +134,15 @@ def flash_attn_func(
         not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
         and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink))
     )
+    arguments = (q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
+                 softmax_scale, bundle, deterministic)
     if not eager:
-        out, lse = flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = FlashAttention.apply(q, k, v, causal, window_left, window_right, softmax_scale, bundle,
-                                        deterministic)
+        out, lse = flash_attn_fwd(*arguments)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                      or (learnable_sink is not None and learnable_sink.requires_grad)):
+        out, lse = FlashAttention.apply(*arguments)
     else:
-        out, lse = _flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle)
+        out, lse = _flash_attn_fwd(*arguments)
     return (out, lse) if return_lse else out

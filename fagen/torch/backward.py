@@ -7,6 +7,7 @@ differentiable, as in flash-attn. A gradient that autograd does not need is not 
 """
 
 # No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
+import dataclasses
 from typing import Optional
 
 import torch
@@ -14,8 +15,8 @@ import torch
 from ..runtime import call as runtime_call
 from ..runtime import driver
 from .adapter import (
-    _check_device, _check_inputs, _current_stream, _flash_attn_fwd, _kernel_ready, _problem,
-    _tensor, flash_attn_fwd, get_bundle,
+    _check_device, _check_inputs, _check_score_inputs, _current_stream, _flash_attn_fwd,
+    _kernel_ready, _problem, _score_arrays, _tensor, flash_attn_fwd, get_bundle,
 )
 
 
@@ -26,22 +27,30 @@ def _flash_attn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor],
     causal: bool,
     window_left: int,
     window_right: int,
+    softcap: float,
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and dL/dsink (fp32 (nheads,); empty without sinks)."""
     _check_inputs(q, k, v)
     _check_device(q, k, v)
+    _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    problem = _problem(q, k, causal, (window_left, window_right))
+    dsink = torch.zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32, device=q.device)
+    problem = _problem(q, k, causal, (window_left, window_right), softcap, alibi_slopes is not None,
+                       learnable_sink is not None)
     if problem.seqlen_k == 0 or dq.numel() == 0:
-        # No score depends on any input: every gradient is zero.
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        # No score depends on any input: every gradient is zero (the sink's too: with no key
+        # its probability is 1 and O = 0 whatever its value).
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsink
     device = q.device.index
     kernels = get_bundle(bundle)
     entry = runtime_call.select_backward(kernels, problem, device)
@@ -55,40 +64,50 @@ def _flash_attn_bwd(
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
+        arrays, kept = _score_arrays(alibi_slopes, learnable_sink)
+        if learnable_sink is not None:
+            arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
         runtime_call.attention_backward(
             kernels, problem, tensors, workspace=workspace.data_ptr(),
             semaphores=0 if semaphores is None else semaphores.data_ptr(),
             softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
-            entry=entry)
-    return dq, dk, dv
+            entry=entry, score_tensors=arrays)
+        del kept  # the fp32 copies the launch read, freed once the stream is done with them
+    return dq, dk, dv, dsink
 
 
 flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)
 
 
 @flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, causal, window_left, window_right, softmax_scale, bundle,
-                         deterministic):
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, causal, window_left,
+                         window_right, softcap, softmax_scale, bundle, deterministic):
     _check_inputs(q, k, v)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dsink = q.new_empty(0 if learnable_sink is None else q.shape[2], dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
 
-def _needed(ctx, grads: tuple) -> tuple:
-    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3]))
+def _needed(ctx, grads: tuple, sink: Optional[torch.Tensor]) -> tuple:
+    """dq, dk, dv, None for the slopes, dsink in the sink's dtype: those autograd needs."""
+    dq, dk, dv, dsink = grads
+    dsink = None if sink is None else dsink.to(sink.dtype)
+    grads = (dq, dk, dv, None, dsink)
+    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:5]))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, *options = inputs
+    q, k, v, alibi_slopes, learnable_sink, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = tuple(options)  # causal, window_left, window_right, softmax_scale, bundle, deterministic
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink)
+    # causal, window_left, window_right, softcap, softmax_scale, bundle, deterministic
+    ctx.options = tuple(options)
     ctx.mark_non_differentiable(lse)
 
 
 def _op_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return (*_needed(ctx, grads), *(None,) * len(ctx.options))
+    q, k, v, out, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
+    grads = flash_attn_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, *ctx.options)
+    return (*_needed(ctx, grads, learnable_sink), *(None,) * len(ctx.options))
 
 
 flash_attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -99,15 +118,14 @@ class FlashAttention(torch.autograd.Function):
     first call would import torch._dynamo, seconds)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic):
-        out, lse = _flash_attn_fwd(q, k, v, causal, window_left, window_right, softmax_scale, bundle)
-        _setup_context(ctx, (q, k, v, causal, window_left, window_right, softmax_scale, bundle, deterministic),
-                       (out, lse))
+    def forward(ctx, q, k, v, alibi_slopes, learnable_sink, *options):
+        out, lse = _flash_attn_fwd(q, k, v, alibi_slopes, learnable_sink, *options)
+        _setup_context(ctx, (q, k, v, alibi_slopes, learnable_sink, *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options)
-        return (*_needed(ctx, grads), *(None,) * len(ctx.options))
+        q, k, v, out, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
+        grads = _flash_attn_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, *ctx.options)
+        return (*_needed(ctx, grads, learnable_sink), *(None,) * len(ctx.options))
 

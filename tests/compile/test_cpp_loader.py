@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -205,6 +206,34 @@ def test_cpp_scale_rule_matches_python(open_bundle, scale, head_dim):
         assert got == expected
 
 
+@pytest.mark.parametrize("scale", ("default", "0.125", "0", "-0.5"))
+@pytest.mark.parametrize("softcap", ("0", "30", "50.5", "1e-3", "-1", "nan", "inf"))
+def test_cpp_score_scale_rule_matches_python(open_bundle, scale, softcap):
+    from fagen.contract import ScaleError, ScoreError, kernel_score_scale
+
+    value = None if scale == "default" else float(ctypes.c_float(float(scale)).value)
+    cap = float(ctypes.c_float(float(softcap)).value)
+    try:
+        if math.isnan(cap) or math.isinf(cap) or cap < 0:
+            raise ScoreError(f"softcap={softcap}")
+        found = kernel_score_scale(value, 128, cap)
+        expected = " ".join(f"{ctypes.c_float(x).value:.9g}" for x in (found.scale_log2, found.softcap_scale))
+    except (ScaleError, ScoreError):
+        expected = "error"
+    result = run(open_bundle, "--score-scale", scale, 128, softcap)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().split(":")[0] == expected
+
+
+@pytest.mark.parametrize("mods", ((), ("softcap",), ("alibi", "sinks"), contract.SCORE_MODS))
+@pytest.mark.parametrize("mask", contract.MASKS)
+def test_cpp_key_matches_python(open_bundle, mask, mods):
+    flags = [int(mod in mods) for mod in contract.SCORE_MODS]
+    result = run(open_bundle, "--key", "bwd", "bf16", 96, mask, *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == contract.kernel_key("bwd", "bf16", 96, mask, mods)
+
+
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("window", ((-1, -1), (-1, 0), (0, 0), (5, -1), (-1, 7), (3, 4), (99, 2), (2, 99),
                                     (100, 100), (-2, 0), (0, -3)))
@@ -242,7 +271,8 @@ def test_cpp_workspace_rule_matches_python(open_bundle, shape):
     result = run(open_bundle, "--workspace", *shape)
     assert result.returncode == 0, result.stderr
     assert tuple(int(x) for x in result.stdout.split()) == (
-        w.dq_accum, w.softmax_d, w.lse_log2, w.floats, w.semaphores, *contract.bwd_row_grid(seqlen_q, heads_q, batch))
+        w.dq_accum, w.softmax_d, w.lse_log2, w.sink_partials, w.floats, w.semaphores,
+        *contract.bwd_row_grid(seqlen_q, heads_q, batch))
 
 
 def test_cpp_refuses_other_abi(open_bundle, ci_small, tmp_path):

@@ -36,6 +36,7 @@ an ulp of 0.004, against errors of 0.0006 elsewhere).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +66,45 @@ def visible(seqlen_q, seqlen_k, causal, device, window=(-1, -1)):
     return seen
 
 
+@dataclass(frozen=True)
+class Mods:
+    """The score modifiers of a call, flash-attn's semantics: softcap > 0 caps the scaled scores
+    at softcap * tanh(score / softcap); alibi (heads,) or (batch, heads) adds -slope * |i +
+    seqlen_k - seqlen_q - j| after it; sink (heads,) is a logit in every row's softmax that adds
+    nothing to the output."""
+
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.softcap > 0 or self.alibi is not None or self.sink is not None
+
+    def distance(self, seqlen_q, seqlen_k, device):
+        row = torch.arange(seqlen_q, device=device).view(-1, 1)
+        col = torch.arange(seqlen_k, device=device).view(1, -1)
+        return (row + seqlen_k - seqlen_q - col).abs()
+
+    def slopes(self, batch, dtype):
+        """(batch, heads, 1, 1) slopes."""
+        slopes = self.alibi.to(dtype)
+        slopes = slopes.expand(batch, -1) if slopes.dim() == 1 else slopes
+        return slopes[:, :, None, None]
+
+    def modify(self, scaled, dtype):
+        """Scaled scores (b, h, sq, sk) in `dtype` -> the modified logits."""
+        if self.softcap > 0:
+            scaled = self.softcap * torch.tanh(scaled / self.softcap)
+        if self.alibi is not None:
+            distance = self.distance(scaled.shape[2], scaled.shape[3], scaled.device).to(dtype)
+            scaled = scaled - self.slopes(scaled.shape[0], dtype) * distance
+        return scaled
+
+
+NO_MODS = Mods()
+
+
 def heads_first(q, k, v, dtype):
     """q, k, v as (batch, heads_q, seqlen, d) in `dtype`, K/V repeated over their query heads."""
     group = q.shape[2] // k.shape[2]
@@ -78,23 +118,34 @@ def fold_heads(grad, heads_kv):
     return grad.view(batch, heads_kv, heads_q // heads_kv, seqlen, dim).sum(2).transpose(1, 2)
 
 
-def attention_math(q, k, v, causal, scale, dtype, window=(-1, -1)):
-    """Explicit softmax attention computed in `dtype`; returns out (b, sq, h, d) and LSE (b, h, sq)."""
+def attention_math(q, k, v, causal, scale, dtype, window=(-1, -1), mods=NO_MODS, sink=None):
+    """Explicit softmax attention computed in `dtype`; returns out (b, sq, h, d) and LSE (b, h, sq).
+    `sink`: the sink logits to use (a tensor autograd tracks), default mods.sink in `dtype`."""
     qh, kh, vh = heads_first(q, k, v, dtype)
-    scores = (qh @ kh.transpose(-1, -2)) * scale
+    scores = mods.modify((qh @ kh.transpose(-1, -2)) * scale, dtype)
     scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], causal, q.device, window), -math.inf)
+    if mods.sink is not None:
+        sink = mods.sink.to(dtype) if sink is None else sink
+        column = sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        logits = torch.cat([scores, column], dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return (probs @ vh).transpose(1, 2), lse
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key: softmax gives NaN, the defined result is 0 (and LSE -inf).
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ vh).transpose(1, 2), lse
 
 
-def math_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1)):
-    """out, lse and dq, dk, dv of `attention_math` in `dtype` (torch's autograd), as float."""
+def math_grads(q, k, v, dout, causal, scale, dtype, window=(-1, -1), mods=NO_MODS):
+    """out, lse and dq, dk, dv (and dsink with a sink) of `attention_math` in `dtype` (torch's
+    autograd), as float."""
     inputs = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out, lse = attention_math(*inputs, causal, scale, dtype, window)
+    sink = None if mods.sink is None else mods.sink.detach().to(dtype).requires_grad_(True)
+    out, lse = attention_math(*inputs, causal, scale, dtype, window, mods, sink)
     out.backward(dout.to(dtype))
-    return out.detach(), lse.detach(), [t.grad for t in inputs]
+    grads = [t.grad for t in inputs] + ([] if sink is None else [sink.grad])
+    return out.detach(), lse.detach(), grads
 
 
 def fused_exponent(scores, subtrahend, scale_log2):
@@ -119,16 +170,32 @@ def fp32_scores(qh, kh, split=1):
     return total
 
 
-def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None, window=(-1, -1)):
+def kernel_units(scores, q, mods, scale):
+    """fp32 raw scores -> the values the kernels take exponents of (templates/include/fagen/algo/
+    score.cuh), the scale_log2 they use, and the softcap's 1 - u^2 (None without)."""
+    kernel_scale = contract.kernel_score_scale(scale, q.shape[-1], mods.softcap)
+    scale_log2 = torch.tensor(kernel_scale.scale_log2, dtype=torch.float32).item()
+    dsoftcap = None
+    if mods.softcap > 0:
+        scores = torch.tanh(scores * torch.tensor(kernel_scale.softcap_scale, dtype=torch.float32).item())
+        dsoftcap = 1 - scores * scores
+    if mods.alibi is not None:
+        units = mods.slopes(scores.shape[0], torch.float32) * (math.log2(math.e) / scale_log2)
+        scores = scores - units * mods.distance(scores.shape[2], scores.shape[3], scores.device).float()
+    return scores, scale_log2, dsoftcap
+
+
+def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None, window=(-1, -1), mods=NO_MODS):
     """FlashAttention's arithmetic by plain torch in fp32 with `dtype` operands (the module's
-    docstring). Returns out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is given,
-    each in `dtype` (the LSE in fp32). `given_out` (b, sq, h, d): the backward's D from that
-    output instead of its own."""
+    docstring), with the score modifiers as the kernels apply them. Returns out (b, sq, h, d) and
+    LSE (b, h, sq), then dq, dk, dv (and dsink with a sink) when dout is given, each in `dtype`
+    (the LSE and dsink in fp32). `given_out` (b, sq, h, d): the backward's D from that output
+    instead of its own."""
     low = heads_first(q, k, v, dtype)
     qh, kh, vh = (t.float() for t in low)
-    scale_log2 = torch.tensor(contract.kernel_scale_log2(scale, q.shape[-1]), dtype=torch.float32).item()
     hidden = ~visible(q.shape[1], k.shape[1], causal, q.device, window)
-    scores = fp32_scores(low[0], low[1]).masked_fill(hidden, -math.inf)
+    scores, scale_log2, _ = kernel_units(fp32_scores(low[0], low[1]), q, mods, scale)
+    scores = scores.masked_fill(hidden, -math.inf)
     row_max = scores.amax(-1, keepdim=True)
     reference = torch.where(row_max > -math.inf, row_max * scale_log2, 0.0)  # fp32, as the kernels round it
     probs = torch.exp2(fused_exponent(scores, reference, scale_log2))
@@ -136,24 +203,40 @@ def flash_recurrence(q, k, v, causal, scale, dtype, dout=None, given_out=None, w
     seen = row_sum > 0
     top = probs.amax(-1, keepdim=True)
     divisor = row_sum + (top.to(dtype).float() - top)  # the largest P as P V sees it
-    out = torch.where(seen, (probs.to(dtype).float() @ vh) / divisor.clamp_min(1e-38), 0.0).to(dtype)
-    # The LSE is kept in natural log (flash-attn's softmax_lse) and turned back into base 2 for the
-    # backward, fp32 each way; +inf for a row that saw no key, so that its probabilities are 0.
-    lse = torch.where(seen, (reference + torch.log2(row_sum.clamp_min(1e-38))) * math.log(2.0), -math.inf)
+    numerator = probs.to(dtype).float() @ vh
+    if mods.sink is not None:  # algo/online_softmax.cuh, finalize: against the larger reference
+        sink2 = (mods.sink.float() * math.log2(math.e)).view(1, -1, 1, 1)
+        peak = torch.where(seen, torch.maximum(reference, sink2), sink2)
+        keys = torch.where(seen, torch.exp2(reference - peak), 0.0)
+        sink_p = torch.exp2(sink2 - peak)
+        out = (numerator * keys / (divisor * keys + sink_p)).to(dtype)
+        lse = (peak + torch.log2(row_sum * keys + sink_p)) * math.log(2.0)
+        seen = torch.ones_like(seen)
+    else:
+        out = torch.where(seen, numerator / divisor.clamp_min(1e-38), 0.0).to(dtype)
+        # The LSE is kept in natural log (flash-attn's softmax_lse) and turned back into base 2 for
+        # the backward, fp32 each way; +inf for a row that saw no key, so that its probabilities
+        # are 0.
+        lse = torch.where(seen, (reference + torch.log2(row_sum.clamp_min(1e-38))) * math.log(2.0), -math.inf)
     if dout is None:
         return out.transpose(1, 2), lse.squeeze(-1)
     lse2 = torch.where(seen, lse / math.log(2.0), math.inf)
-    scores = fp32_scores(low[0], low[1], split=2).masked_fill(hidden, -math.inf)  # recomputed
-    probs = torch.exp2(backward_exponent(scores, lse2, scale_log2))
+    scores, _, dsoftcap = kernel_units(fp32_scores(low[0], low[1], split=2), q, mods, scale)  # recomputed
+    probs = torch.exp2(backward_exponent(scores.masked_fill(hidden, -math.inf), lse2, scale_log2))
     do = dout.to(dtype).transpose(1, 2).float()
     d_from = out if given_out is None else given_out.to(dtype).transpose(1, 2)
     dsum = (do * d_from.float()).sum(-1, keepdim=True)
     dscores = probs * (do @ vh.transpose(-1, -2) - dsum)
+    if dsoftcap is not None:
+        dscores = dscores * dsoftcap
     heads_kv = k.shape[2]
     dv = fold_heads(probs.to(dtype).float().transpose(-1, -2) @ do, heads_kv)
     dk = fold_heads(scale * (dscores.to(dtype).float().transpose(-1, -2) @ qh), heads_kv)
     dq = (scale * (dscores.to(dtype).float() @ kh)).transpose(1, 2)
-    return out.transpose(1, 2), lse.squeeze(-1), [g.to(dtype) for g in (dq, dk, dv)]
+    grads = [g.to(dtype) for g in (dq, dk, dv)]
+    if mods.sink is not None:
+        grads.append(-(torch.exp2(sink2 - lse2) * dsum).sum(dim=(0, 2, 3)))
+    return out.transpose(1, 2), lse.squeeze(-1), grads
 
 
 def bar(factor, low_errors, atol):
@@ -171,10 +254,12 @@ def max_error(got, ref, where=None):
     return diff.max().item() if diff.numel() else 0.0
 
 
-def torch_flash(q, k, v, causal, scale, dout=None, window=(-1, -1)):
+def torch_flash(q, k, v, causal, scale, dout=None, window=(-1, -1), mods=NO_MODS):
     """torch's FlashAttention-2 kernel on the same inputs, in flash-attn's layout and semantics
     (bottom-right causal, GQA): out (b, sq, h, d) and LSE (b, h, sq), then dq, dk, dv when dout is
     given; None where torch has no such kernel for these inputs (its error names why)."""
+    if mods.any:
+        return None  # torch's kernel has no score modifiers
     # Fresh storage: torch's kernel faults (a sticky CUDA error) on a view whose data pointer is
     # not 16-byte aligned, which .contiguous() leaves as it is.
     q, k, v = (torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in (q, k, v))
@@ -194,15 +279,15 @@ def torch_flash(q, k, v, causal, scale, dout=None, window=(-1, -1)):
     return out, lse, list(grads)
 
 
-def forward_errors(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
+def forward_errors(out, lse, q, k, v, causal, scale=None, window=(-1, -1), mods=NO_MODS):
     """{name: (fagen's max error, torch math's, the flash recurrence's, torch's flash kernel's
     (NaN where it has none), the rounded reference's)} for out and lse, or {name: message} for
     what is malformed or not finite; lse may be None."""
     scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
-    ref_out, ref_lse = attention_math(q, k, v, causal, scale, REFERENCE, window)
-    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype, window)
-    flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype, window=window)
-    kernel = torch_flash(q, k, v, causal, scale, window=window)
+    ref_out, ref_lse = attention_math(q, k, v, causal, scale, REFERENCE, window, mods)
+    low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype, window, mods)
+    flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype, window=window, mods=mods)
+    kernel = torch_flash(q, k, v, causal, scale, window=window, mods=mods)
     if out.shape != q.shape or out.dtype != q.dtype:
         return {"out": f"shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"}
     if not torch.isfinite(out).all():
@@ -225,21 +310,22 @@ def forward_errors(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
     return errors
 
 
-def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None, window=(-1, -1)):
-    """forward_errors' form for dq, dk, dv, with one more computation where `out`, the forward
-    output the backward under test was given, is known: the recurrence's backward with D from it;
-    a None gradient is not checked."""
+def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None, window=(-1, -1), mods=NO_MODS):
+    """forward_errors' form for dq, dk, dv (and dsink, the fourth gradient, with a sink), with one
+    more computation where `out`, the forward output the backward under test was given, is known:
+    the recurrence's backward with D from it; a None gradient is not checked."""
     scale = scale if scale is not None else contract.default_softmax_scale(q.shape[-1])
-    _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE, window)
-    _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype, window)
-    _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout, window=window)
-    kernel = torch_flash(q, k, v, causal, scale, dout.to(q.dtype), window)
-    kernel_grads = kernel[2] if kernel else [None] * 3
-    given = (flash_recurrence(q, k, v, causal, scale, q.dtype, dout, out, window)[2] if out is not None
-             else [None] * 3)
+    names = ("dq", "dk", "dv") + (("dsink",) if mods.sink is not None else ())
+    _, _, ref = math_grads(q, k, v, dout, causal, scale, REFERENCE, window, mods)
+    _, _, low = math_grads(q, k, v, dout, causal, scale, q.dtype, window, mods)
+    _, _, flash = flash_recurrence(q, k, v, causal, scale, q.dtype, dout, window=window, mods=mods)
+    kernel = torch_flash(q, k, v, causal, scale, dout.to(q.dtype), window, mods)
+    kernel_grads = kernel[2] if kernel else [None] * len(names)
+    given = (flash_recurrence(q, k, v, causal, scale, q.dtype, dout, out, window, mods)[2] if out is not None
+             else [None] * len(names))
+    targets = (q, k, v) + ((mods.sink,) if mods.sink is not None else ())
     errors = {}
-    for name, g, r, lo, fl, kg, gv, t in zip(("dq", "dk", "dv"), grads, ref, low, flash, kernel_grads, given,
-                                             (q, k, v)):
+    for name, g, r, lo, fl, kg, gv, t in zip(names, grads, ref, low, flash, kernel_grads, given, targets):
         if g is None:
             continue
         if g.shape != t.shape or g.dtype != t.dtype:
@@ -253,7 +339,8 @@ def gradient_errors(grads, q, k, v, dout, causal, scale=None, out=None, window=(
     return errors
 
 
-RULES = {"out": (2, OUT_ATOL), "lse": (2, LSE_ATOL), "dq": (3, GRAD_ATOL), "dk": (3, GRAD_ATOL), "dv": (3, GRAD_ATOL)}
+RULES = {"out": (2, OUT_ATOL), "lse": (2, LSE_ATOL), "dq": (3, GRAD_ATOL), "dk": (3, GRAD_ATOL), "dv": (3, GRAD_ATOL),
+         "dsink": (3, GRAD_ATOL)}
 
 
 def failures_of(errors):
@@ -273,11 +360,11 @@ def failures_of(errors):
     return failures
 
 
-def forward_failures(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
+def forward_failures(out, lse, q, k, v, causal, scale=None, window=(-1, -1), mods=NO_MODS):
     """What of fagen's out and LSE breaks the rule (empty: it passes); lse may be None."""
-    return failures_of(forward_errors(out, lse, q, k, v, causal, scale, window))
+    return failures_of(forward_errors(out, lse, q, k, v, causal, scale, window, mods))
 
 
-def gradient_failures(grads, q, k, v, dout, causal, scale=None, window=(-1, -1), out=None):
-    """What of fagen's (dq, dk, dv) breaks the rule; a None gradient is not checked."""
-    return failures_of(gradient_errors(grads, q, k, v, dout, causal, scale, out, window))
+def gradient_failures(grads, q, k, v, dout, causal, scale=None, window=(-1, -1), out=None, mods=NO_MODS):
+    """What of fagen's (dq, dk, dv[, dsink]) breaks the rule; a None gradient is not checked."""
+    return failures_of(gradient_errors(grads, q, k, v, dout, causal, scale, out, window, mods))

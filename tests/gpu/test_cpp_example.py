@@ -5,6 +5,7 @@ inputs. Skips without a GPU, cmake/g++ or a bundle; needs no pydantic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -14,9 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import attention_math, math_grads  # noqa: E402
+from attention_reference import Mods, attention_math, math_grads  # noqa: E402
 from test_fa2_fwd import EVERY_KERNEL_WINDOW  # noqa: E402
+from fagen import contract  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
+
+# The softcap a variant kernel runs with here (the example makes its ALiBi slopes and sinks).
+EXAMPLE_SOFTCAP = 30.0
 
 REPO = Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -84,17 +89,32 @@ def read_dump(directory: Path, name: str, shape, dtype) -> torch.Tensor:
 
 
 def run_example(example, key: str, size, seed: int, dump: Path, *extra: str) -> dict:
-    direction, dtype, head_dim, mask = key.split("/")
+    parsed = contract.KernelKey.parse(key)
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = size
-    args = [str(example), "--dtype", dtype, "--head-dim", head_dim[2:], "--batch", batch, "--seqlen-q", seqlen_q,
-            "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed, "--dump", dump, *extra]
-    if mask == "causal":
+    args = [str(example), "--dtype", parsed.dtype, "--head-dim", parsed.head_dim, "--batch", batch, "--seqlen-q",
+            seqlen_q, "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed,
+            "--dump", dump, *extra]
+    if parsed.mask == "causal":
         args.append("--causal")
-    if mask == "local":  # the window test_fa2_fwd runs every local kernel with
+    if parsed.mask == "local":  # the window test_fa2_fwd runs every local kernel with
         args += ["--window", *EVERY_KERNEL_WINDOW]
+    if "softcap" in parsed.mods:
+        args += ["--softcap", EXAMPLE_SOFTCAP]
+    args += [f"--{mod}" for mod in ("alibi", "sinks") if mod in parsed.mods]
     result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{key} {size}: exit {result.returncode}\n{result.stdout}{result.stderr}"
     return json.loads((dump / "problem.json").read_text())
+
+
+def mods_of(problem: dict) -> Mods:
+    """The modifiers the example ran with (problem.json)."""
+    def array(name):
+        return torch.tensor(problem[name], device="cuda") if problem[name] else None
+    return Mods(softcap=problem["softcap"], alibi=array("alibi_slopes"), sink=array("sinks"))
+
+
+def options_of(mods: Mods) -> dict:
+    return dict(softcap=mods.softcap, alibi_slopes=mods.alibi, learnable_sink=mods.sink)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
@@ -117,10 +137,11 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim), dtype)
         lse_cpp = read_dump(dump, "lse", (batch, heads_q, seqlen_q), torch.float32)
 
+        mods = mods_of(problem)
         out_torch, lse_torch = flash_attn_func(q, k, v, causal=causal, window_size=window, softmax_scale=scale, return_lse=True,
-                                               bundle=bundle)
-        ref, _ = attention_math(q, k, v, causal, scale, torch.float32, window)
-        low, _ = attention_math(q, k, v, causal, scale, dtype, window)
+                                               bundle=bundle, **options_of(mods))
+        ref, _ = attention_math(q, k, v, causal, scale, torch.float32, window, mods)
+        low, _ = attention_math(q, k, v, causal, scale, dtype, window, mods)
         low_error = (low.float() - ref).abs().max().item()
         cpp_error = (out_cpp.float() - ref).abs().max().item()
         torch_error = (out_torch.float() - ref).abs().max().item()
@@ -158,12 +179,18 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
         q, dout, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dout", "dq"))
         k, v, dk_cpp, dv_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "v", "dk", "dv"))
 
-        ref = [g.float() for g in math_grads(q, k, v, dout, causal, scale, torch.float32, window)[2]]
-        low = [g.float() for g in math_grads(q, k, v, dout, causal, scale, dtype, window)[2]]
+        mods = mods_of(problem)
+        ref = [g.float() for g in math_grads(q, k, v, dout, causal, scale, torch.float32, window, mods)[2]]
+        low = [g.float() for g in math_grads(q, k, v, dout, causal, scale, dtype, window, mods)[2]]
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = flash_attn_func(*leaves, causal=causal, window_size=window, softmax_scale=scale, bundle=bundle)
-        ours = [g.float() for g in torch.autograd.grad(out, leaves, dout)]
-        for name, cpp, r, lo, t in zip(("dq", "dk", "dv"), (dq_cpp, dk_cpp, dv_cpp), ref, low, ours):
+        sink = None if mods.sink is None else mods.sink.clone().requires_grad_(True)
+        out = flash_attn_func(*leaves, causal=causal, window_size=window, softmax_scale=scale, bundle=bundle,
+                              **options_of(dataclasses.replace(mods, sink=sink)))
+        ours = [g.float() for g in torch.autograd.grad(out, leaves + ([sink] if sink is not None else []), dout)]
+        cpp_grads = [dq_cpp, dk_cpp, dv_cpp]
+        if sink is not None:
+            cpp_grads.append(read_dump(dump, "dsinks", (heads_q,), torch.float32))
+        for name, cpp, r, lo, t in zip(("dq", "dk", "dv", "dsinks"), cpp_grads, ref, low, ours):
             low_error = (lo - r).abs().max().item()
             cpp_error = (cpp.float() - r).abs().max().item()
             between = (cpp.float() - t).abs().max().item()

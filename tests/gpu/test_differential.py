@@ -5,7 +5,9 @@ one much larger than the other), head dim, GQA ratio, dtype, causal, determinist
 the size of q and k (x1 to x16, sometimes with outliers x100), the layout (contiguous, a
 transposed view, sliced heads), which inputs need gradients and, where the bundle has local
 kernels, a sliding window in a quarter of the cases (drawn last, from a generator of its own, so
-that the other fields of a seed are what they were before windows). Outputs and gradients are
+that the other fields of a seed are what they were before windows); then, where the bundle has
+the variant, score modifiers in a quarter of the cases (softcap, ALiBi, sinks, alone or
+together; from a generator of their own too). Outputs and gradients (the sink's too) are
 poisoned before their launches; the rules are attention_reference's (2x / 3x, everything
 finite).
 
@@ -31,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import failures_of, forward_errors, gradient_errors  # noqa: E402
+from attention_reference import Mods, failures_of, forward_errors, gradient_errors  # noqa: E402
 from test_fa2_fwd import DTYPE_BY_NAME, poison_allocator  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
@@ -64,6 +66,8 @@ class Case:
     layout: str
     grads: str  # "qkv" or "q": which inputs need gradients
     window: tuple[int, int] = (-1, -1)  # flash-attn's window_size
+    score: str = ""  # the score modifiers, "+"-joined (contract.SCORE_MODS)
+    softcap: float = 0.0
 
     def line(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -100,8 +104,13 @@ def draw_window(rng: random.Random, seqlen_q: int, seqlen_k: int) -> tuple[int, 
     return window if window != (-1, -1) else (rng.randint(0, 300), -1)
 
 
+# The score modifiers a case may draw (a kernel variant each).
+SCORE_CHOICES = (("softcap",), ("alibi",), ("sinks",), ("softcap", "sinks"), ("softcap", "alibi", "sinks"))
+
+
 def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]],
-              local: frozenset[tuple[str, int]] = frozenset()) -> Case:
+              local: frozenset[tuple[str, int]] = frozenset(),
+              variants: frozenset[tuple[str, int, str, tuple[str, ...]]] = frozenset()) -> Case:
     rng = random.Random(seed)
     dtype, causal = rng.choice(sorted(head_dims))
     seqlen_q, seqlen_k = draw_seqlen(rng), draw_seqlen(rng)
@@ -123,7 +132,28 @@ def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]],
     windows = random.Random(f"window {seed}")
     if (dtype, case.head_dim) in local and windows.random() < 0.25:
         case = dataclasses.replace(case, window=draw_window(windows, seqlen_q, seqlen_k))
+    scores = random.Random(f"score {seed}")
+    if scores.random() < 0.25:
+        mods = scores.choice(SCORE_CHOICES)
+        kind = contract.call_mask(case.causal, case.window, seqlen_q, seqlen_k).kind
+        if (dtype, case.head_dim, kind, mods) in variants:
+            softcap = scores.choice((5.0, 30.0, 50.0)) if "softcap" in mods else 0.0
+            case = dataclasses.replace(case, score="+".join(mods), softcap=softcap)
     return case
+
+
+def score_mods(case: Case, heads_q: int, gen: torch.Generator) -> Mods:
+    """The case's modifiers: ALiBi's geometric slopes times a random factor each, per (batch, head)
+    in odd seeds; sinks of the size of the scores (x magnitude^2), either sign."""
+    mods = case.score.split("+") if case.score else []
+    alibi = sink = None
+    if "alibi" in mods:
+        shape = (case.batch, heads_q) if case.seed % 2 else (heads_q,)
+        geometric = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads_q) for i in range(heads_q)], device="cuda")
+        alibi = geometric * (0.5 + torch.rand(shape, generator=gen, device="cuda"))
+    if "sinks" in mods:
+        sink = torch.randn(heads_q, generator=gen, device="cuda") * 3 * case.magnitude ** 2
+    return Mods(softcap=case.softcap, alibi=alibi, sink=sink)
 
 
 def make_input(case: Case, seqlen: int, heads: int, gen: torch.Generator, magnitude: float) -> torch.Tensor:
@@ -156,20 +186,23 @@ def run_case(case: Case, bundle) -> list[str]:
         k.requires_grad_(True)
         v.requires_grad_(True)
     window = tuple(case.window)
+    mods = score_mods(case, heads_q, gen)
+    sink = None if mods.sink is None else mods.sink.clone().requires_grad_(True)
     kwargs = dict(causal=case.causal, window_size=window, softmax_scale=case.softmax_scale,
+                  softcap=mods.softcap, alibi_slopes=mods.alibi, learnable_sink=sink,
                   deterministic=case.deterministic, bundle=bundle)
     poison_allocator((q.shape, q.dtype), ((case.batch, heads_q, case.seqlen_q), torch.float32))
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kwargs)
     torch.cuda.synchronize()
     errors = forward_errors(out.detach(), lse, q.detach(), k.detach(), v.detach(), case.causal, case.softmax_scale,
-                            window)
+                            window, mods)
     inputs = [t for t in (q, k, v) if t.requires_grad]
     poison_allocator(*((t.shape, t.dtype) for t in inputs))
-    got = torch.autograd.grad(out, inputs, dout)
+    got = torch.autograd.grad(out, inputs + ([sink] if sink is not None else []), dout)
     torch.cuda.synchronize()
-    grads = list(got) + [None] * (3 - len(got))
+    grads = list(got[:len(inputs)]) + [None] * (3 - len(inputs)) + list(got[len(inputs):])
     errors.update(gradient_errors(grads, q.detach(), k.detach(), v.detach(), dout, case.causal, case.softmax_scale,
-                                  out.detach(), window))
+                                  out.detach(), window, mods))
     log = os.environ.get("FAGEN_DIFFERENTIAL_LOG")
     if log:  # every case's errors, one JSON line each: the data behind the rule's margins
         with open(log, "a") as f:
@@ -210,11 +243,12 @@ def shrink(case: Case, failures: list[str], bundle, budget: int = 40) -> tuple[C
     return case, failures
 
 
-def _has_kernels(bundle, dtype: str, head_dim: int, mask: str) -> bool:
-    """Whether the bundle has a forward and a backward kernel of `mask` for this device."""
+def _has_kernels(bundle, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> bool:
+    """Whether the bundle has a forward and a backward kernel of `mask` (and `mods`) for this device."""
     try:
         for direction in ("fwd", "bwd"):
-            bundle.select(contract.kernel_key(direction, dtype, head_dim, mask), torch.cuda.get_device_capability())
+            bundle.select(contract.kernel_key(direction, dtype, head_dim, mask, mods),
+                          torch.cuda.get_device_capability())
     except KernelNotFound:
         return False
     return True
@@ -237,18 +271,25 @@ def local_of(bundle) -> frozenset[tuple[str, int]]:
                      if _has_kernels(bundle, dtype, head_dim, "local"))
 
 
+def variants_of(bundle) -> frozenset[tuple[str, int, str, tuple[str, ...]]]:
+    """The (dtype, head_dim, mask, score modifiers) of SCORE_CHOICES with kernels for this device."""
+    return frozenset((dtype, head_dim, mask, mods) for dtype in DTYPE_BY_NAME for head_dim in (64, 96, 128, 192, 256)
+                     for mask in contract.MASKS for mods in SCORE_CHOICES
+                     if _has_kernels(bundle, dtype, head_dim, mask, mods))
+
+
 def test_randomized_differential(bundle, request):
     cases = request.config.getoption("--differential-cases")
     seconds = request.config.getoption("--differential-seconds")
     first = request.config.getoption("--differential-seed")
-    head_dims, local = head_dims_of(bundle), local_of(bundle)
+    head_dims, local, variants = head_dims_of(bundle), local_of(bundle), variants_of(bundle)
     if not head_dims:
         pytest.skip("the bundle has no forward + backward kernels for this device")
     start, ran, failed = time.monotonic(), 0, []
     for seed in range(first, first + cases):
         if time.monotonic() - start > seconds:
             break
-        case = draw_case(seed, head_dims, local)
+        case = draw_case(seed, head_dims, local, variants)
         ran += 1
         failures = run_case(case, bundle)
         if failures:

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import forward_failures  # noqa: E402
+from attention_reference import NO_MODS, Mods, forward_failures  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime.loader import runs_on  # noqa: E402
 from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
@@ -40,10 +40,11 @@ def mask_name(causal) -> str:
     return causal
 
 
-def require_kernel(bundle, dtype, head_dim, causal, direction="fwd"):
-    """Skips unless the bundle has the kernel; `causal`: a bool or a mask kind."""
+def require_kernel(bundle, dtype, head_dim, causal, direction="fwd", score=()):
+    """Skips unless the bundle has the kernel; `causal`: a bool or a mask kind; `score`: its
+    score modifiers."""
     key = contract.kernel_key(direction, {v: k for k, v in DTYPE_BY_NAME.items()}[dtype], head_dim,
-                              mask_name(causal))
+                              mask_name(causal), score)
     try:
         bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:
@@ -76,8 +77,8 @@ def run_poisoned(q, k, v, **kwargs):
     return out, lse
 
 
-def assert_close_to_reference(out, lse, q, k, v, causal, scale=None, window=(-1, -1)):
-    failures = forward_failures(out, lse, q, k, v, causal, scale, window)
+def assert_close_to_reference(out, lse, q, k, v, causal, scale=None, window=(-1, -1), mods=NO_MODS):
+    failures = forward_failures(out, lse, q, k, v, causal, scale, window, mods)
     assert not failures, "; ".join(failures)
 
 
@@ -131,6 +132,22 @@ def test_long_sequence(bundle, head_dim, dtype, causal):
     check_case(bundle, *LONG_SIZE, 2, 2, head_dim, dtype, causal)
 
 
+def entry_call(entry, batch, heads_q):
+    """How a test launches `entry` directly: dtype, head_dim, causal, window (a local kernel runs
+    with EVERY_KERNEL_WINDOW), the modifiers' reference form (Mods) and prepare_launch's options
+    for them (softcap 30, ALiBi's geometric slopes, sinks of either sign)."""
+    key = contract.KernelKey.parse(entry.key)
+    window = EVERY_KERNEL_WINDOW if key.mask == "local" else (-1, -1)
+    mods = Mods(
+        softcap=30.0 if "softcap" in key.mods else 0.0,
+        alibi=(torch.tensor([2.0 ** (-8.0 * (i + 1) / heads_q) for i in range(heads_q)], device="cuda")
+               if "alibi" in key.mods else None),
+        sink=(torch.tensor([(-1.0) ** i * (2.0 + i) for i in range(heads_q)], device="cuda")
+              if "sinks" in key.mods else None))
+    options = dict(softcap=mods.softcap, alibi_slopes=mods.alibi, learnable_sink=mods.sink)
+    return DTYPE_BY_NAME[key.dtype], key.head_dim, key.mask == "causal", window, mods, options
+
+
 def runnable_entries(bundle):
     cc = torch.cuda.get_device_capability()
     return [e for e in bundle.kernels if e.key.startswith("fwd/") and runs_on(e, cc)]
@@ -153,17 +170,15 @@ def test_every_kernel_of_the_bundle(bundle, size):
     if not entries:
         pytest.skip("the bundle has no forward kernel for this device")
     for entry in entries:
-        _, dtype_name, head_dim, mask = entry.key.split("/")
-        dtype, head_dim, causal = DTYPE_BY_NAME[dtype_name], int(head_dim[2:]), mask == "causal"
-        window = EVERY_KERNEL_WINDOW if mask == "local" else (-1, -1)
+        dtype, head_dim, causal, window, mods, options = entry_call(entry, batch, heads_q)
         torch.manual_seed(seqlen_q + head_dim)
         q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
         out = torch.full((batch, seqlen_q, heads_q, head_dim), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, heads_q, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
-        prepare_launch(bundle, entry, q, k, v, out, lse, window_size=window)()
+        prepare_launch(bundle, entry, q, k, v, out, lse, window_size=window, **options)()
         torch.cuda.synchronize()
         try:
-            assert_close_to_reference(out, lse, q, k, v, causal, window=window)
+            assert_close_to_reference(out, lse, q, k, v, causal, window=window, mods=mods)
         except AssertionError as exc:
             raise AssertionError(f"{entry.name}: {exc}") from None
 

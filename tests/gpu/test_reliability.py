@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_fa2_fwd import (  # noqa: E402
-    EVERY_KERNEL_WINDOW, assert_close_to_reference, random_qkv, require_kernel, run_poisoned, runnable_entries,
+    assert_close_to_reference, entry_call, random_qkv, require_kernel, run_poisoned, runnable_entries,
 )
 from fagen.torch import flash_attn_func  # noqa: E402
 
@@ -44,18 +44,17 @@ def test_softmax_scale_zero_is_uniform_attention_in_every_kernel(bundle, size, s
 
     batch, seqlen_q, seqlen_k = size
     for entry in runnable_entries(bundle):
-        _, dtype_name, head_dim, mask = entry.key.split("/")
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-        head_dim, causal = int(head_dim[2:]), mask == "causal"
-        window = EVERY_KERNEL_WINDOW if mask == "local" else (-1, -1)
+        dtype, head_dim, causal, window, mods, options = entry_call(entry, batch, 4)
+        if mods.alibi is not None:
+            continue  # ALiBi's bias is in units of the scale: with scale 0 it is not uniform
         torch.manual_seed(seqlen_q + head_dim)
         q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
         out = torch.full((batch, seqlen_q, 4, head_dim), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, 4, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
-        prepare_launch(bundle, entry, q, k, v, out, lse, scale, window)()
+        prepare_launch(bundle, entry, q, k, v, out, lse, scale, window, **options)()
         torch.cuda.synchronize()
         try:
-            assert_close_to_reference(out, lse, q, k, v, causal, scale=0.0, window=window)
+            assert_close_to_reference(out, lse, q, k, v, causal, scale=0.0, window=window, mods=mods)
         except AssertionError as exc:
             raise AssertionError(f"{entry.name}: {exc}") from None
 

@@ -1,7 +1,9 @@
-"""fagen inside a real client: a randomly initialised Llama-style model of Hugging Face
-transformers with attn_implementation="fagen", and a Mistral-style one with a sliding window of
-256 keys over 1024, against the same model on "sdpa" and in fp32 eager attention. Skips without
-transformers."""
+"""fagen inside a real client: randomly initialised models of Hugging Face transformers with
+attn_implementation="fagen": Llama-style; Mistral-style with a sliding window of 256 keys over
+1024; Gemma-2-style (softcap 50 on every layer, a window of 256 on every other, head_dim 128);
+gpt-oss-style (sinks on every layer, a window of 128 on every other, head_dim 64), against the
+same model in fp32 eager attention, with the noise of bf16 set by "sdpa" (or, where sdpa has no
+softcap or sinks, eager attention under bf16 autocast). Skips without transformers."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ def model(attn: str, seqlen: int, family: str = "llama"):
                  attention_dropout=0.0, tie_word_embeddings=False)
     if family == "mistral":
         config = transformers.MistralConfig(**sizes, sliding_window=256)
+    elif family == "gemma2":
+        config = transformers.Gemma2Config(**sizes, head_dim=128, query_pre_attn_scalar=128, sliding_window=256,
+                                           attn_logit_softcapping=50.0, final_logit_softcapping=None)
+    elif family == "gpt_oss":
+        config = transformers.GptOssConfig(**sizes, head_dim=64, sliding_window=128, num_local_experts=4,
+                                           num_experts_per_tok=2)
     else:
         config = transformers.LlamaConfig(**sizes)
     torch.manual_seed(0)
@@ -45,27 +53,37 @@ def test_attention_gradients_at_the_models_shapes(bundle):
     assert_grads_close(q, k, v, dout, True, scale=1 / math.sqrt(64))
 
 
-@pytest.mark.parametrize("family", ("llama", "mistral"))
+# family: (the kernels it needs beside the causal ones: (head_dim, variant, score), its noise run)
+FAMILIES = {"llama": ((64, "causal", ()), "sdpa"), "mistral": ((64, "local", ()), "sdpa"),
+            "gemma2": ((128, "local", ("softcap",)), "eager-bf16"),
+            "gpt_oss": ((64, "local", ("sinks",)), "eager-bf16")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle, family):
-    require_backward(bundle, torch.bfloat16, 64, True if family == "llama" else "local")
+    (head_dim, mask, score), noise = FAMILIES[family]
+    require_backward(bundle, torch.bfloat16, head_dim, mask, score)
+    require_backward(bundle, torch.bfloat16, head_dim, "causal", score)
     seqlen = 1024
     tokens = torch.randint(0, 576, (4, seqlen + 1), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))
     grads = {}
-    for attn in ("fagen", "sdpa", "eager"):
+    for run in ("fagen", noise, "eager"):
+        attn = "eager" if run == "eager-bf16" else run
         net = model(attn, seqlen, family)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=attn != "eager"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run != "eager"):
             logits = net(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        grads[attn] = {n: p.grad.float() for n, p in net.named_parameters()}
-    # fp32 eager is the reference; sdpa under bf16 autocast sets the noise each tensor may have.
+        grads[run] = {n: p.grad.float() for n, p in net.named_parameters()}
+    # fp32 eager is the reference; the noise run under bf16 autocast sets the noise each tensor
+    # may have.
     worst = []
     for name, ref in grads["eager"].items():
         scale = ref.norm().item() + 1e-12
         ours = (grads["fagen"][name] - ref).norm().item() / scale
-        theirs = (grads["sdpa"][name] - ref).norm().item() / scale
+        theirs = (grads[noise][name] - ref).norm().item() / scale
         worst.append((ours / max(theirs, 1e-3), name, ours, theirs))
     worst.sort(reverse=True)
     ratio, name, ours, theirs = worst[0]
-    assert ratio <= 3, f"{name}: relative error {ours:.3e} against sdpa's {theirs:.3e} (of fp32 eager)"
+    assert ratio <= 3, f"{name}: relative error {ours:.3e} against {noise}'s {theirs:.3e} (of fp32 eager)"

@@ -167,7 +167,9 @@ def test_the_backward_workspace_pads_the_accumulator_rows_per_head():
     layout = contract.BackwardWorkspace.of(batch=2, heads_q=4, seqlen_q=300, head_dim=128, block_m=64)
     accum = 2 * 4 * 304 * 128
     assert (layout.dq_accum, layout.softmax_d, layout.lse_log2) == (0, accum, accum + 2 * 4 * 300)
-    assert layout.floats == accum + 2 * 2 * 4 * 300
+    # then one sink partial per 16 query rows (19 for 300) per head.
+    assert layout.sink_partials == accum + 2 * 2 * 4 * 300
+    assert layout.floats == layout.sink_partials + 2 * 4 * 19
     assert layout.semaphores == 2 * 4 * 5
     assert contract.dq_accum_rows(16) == 16 and contract.dq_accum_rows(17) == 32
 
@@ -210,3 +212,51 @@ def test_a_key_takes_a_mask_kind_not_a_flag():
     assert contract.kernel_key("bwd", "fp16", 64, "local") == "bwd/fp16/hd64/local"
     with pytest.raises(ValueError, match="mask=True: one of full, causal, local"):
         contract.kernel_key("fwd", "bf16", 128, True)
+
+
+@pytest.mark.parametrize("mods", [(), ("softcap",), ("alibi", "sinks"), ("softcap", "alibi", "sinks")])
+@pytest.mark.parametrize("mask", ("full", "causal", "local"))
+def test_a_key_spells_the_variant_and_parses_back(mask, mods):
+    from fagen import contract
+
+    key = contract.kernel_key("fwd", "bf16", 128, mask, mods)
+    assert key == f"fwd/bf16/hd128/{mask}" + "".join(f"+{m}" for m in mods)
+    assert contract.KernelKey.parse(key) == contract.KernelKey("fwd", "bf16", 128, mask, mods)
+    # One spelling: the modifiers in SCORE_MODS order, each once, after a mask.
+    assert contract.KernelKey.parse(f"fwd/bf16/hd128/{mask}+sinks+softcap") is None
+    assert contract.KernelKey.parse("fwd/bf16/hd128/softcap") is None
+    with pytest.raises(ValueError, match="score modifiers"):
+        contract.kernel_key("fwd", "bf16", 128, mask, ("tanh",))
+
+
+def test_the_score_rule():
+    from fagen import contract
+
+    assert contract.Score().mods == () and contract.Score(30.0, True, True).mods == contract.SCORE_MODS
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(contract.ScoreError, match="softcap"):
+            contract.Score(bad)
+    plain = contract.kernel_score_scale(0.125, 64)
+    assert plain == contract.KernelScale(contract.kernel_scale_log2(0.125, 64), 0.0)
+    capped = contract.kernel_score_scale(0.125, 64, 50.0)
+    assert capped.scale_log2 == pytest.approx(50.0 * contract.LOG2_E) and capped.softcap_scale == 0.125 / 50.0
+    assert contract.kernel_score_scale(None, 64, 10.0).softcap_scale == pytest.approx(1 / 8 / 10)
+    with pytest.raises(contract.ScaleError):
+        contract.kernel_score_scale(-1.0, 64, 10.0)
+
+
+def test_score_arrays_are_checked_before_a_launch():
+    from fagen import contract
+    from fagen.runtime import call
+
+    problem = call.Problem("bf16", True, 2, 4, 4, 4, 4, 128, score=contract.Score(alibi=True, sinks=True))
+    with pytest.raises(call.AttentionError, match="alibi_slopes: a non-null"):
+        call._check_score_tensors(problem, call.ScoreTensors(sinks=64))
+    with pytest.raises(call.AttentionError, match="sinks: a non-null, 4-byte aligned"):
+        call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, sinks=66))
+    with pytest.raises(call.AttentionError, match="batch stride 3"):
+        call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, alibi_batch_stride=3, sinks=64))
+    with pytest.raises(call.AttentionError, match="dsinks"):
+        call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, sinks=64), backward=True)
+    call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, alibi_batch_stride=4, sinks=64, dsinks=64),
+                              backward=True)

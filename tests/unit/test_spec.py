@@ -135,7 +135,7 @@ def test_name_ignores_field_order_and_auto_equals_explicit_tile():
 
 def rows_of(tile_model, max_head_dim, causal=None):
     return [r for r in TABLE if type(r.tile) is tile_model and r.max_head_dim == max_head_dim
-            and (causal is None or r.causal in (None, causal))]
+            and (causal is None or r.causal in (None, causal)) and r.score is None]
 
 
 def test_auto_tile_follows_the_tuning_table():
@@ -368,3 +368,29 @@ def test_the_tuning_module_imports_no_algorithm():
     tree = ast.parse(inspect.getsource(tuning))  # run-time imports: the module's top level
     imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
     assert not any(name and name.startswith(("fa", "base", "algorithms")) for name in imported), imported
+
+
+def test_the_score_field_takes_the_keys_spelling():
+    base = {"fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 64, "mask": "local"}
+    capped = KernelSpec.model_validate({**base, "score": "sinks+softcap"})
+    assert capped.score == ("softcap", "sinks") and capped.lookup_key == "fwd/bf16/hd64/local+softcap+sinks"
+    assert "_local_softcap_sinks_" in capped.name
+    plain = KernelSpec.model_validate({**base, "score": "none"})
+    assert plain.score == () and "score" not in plain.canonical_json()  # names without it unchanged
+    constexprs = {c.name: c.value for c in capped.constexprs()}
+    assert (constexprs["kSoftcap"], constexprs["kAlibi"], constexprs["kSinks"]) == (True, False, True)
+    with pytest.raises(ValueError, match="each modifier once"):
+        KernelSpec.model_validate({**base, "score": "softcap+softcap"})
+    with pytest.raises(ValueError, match="fa_version=4 fwd takes none"):
+        KernelSpec.model_validate({"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 64,
+                                   "score": "softcap"})
+
+
+def test_a_variant_takes_its_own_tuning_row_before_the_general_one():
+    base = {"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 128}
+    general = KernelSpec.model_validate(base).tile
+    capped = KernelSpec.model_validate({**base, "score": "softcap"}).tile
+    assert general.pingpong and general.block_n == 160
+    assert not capped.pingpong and capped.block_n == 128  # the ping-pong tile spilled with the softcap
+    expansion = expand({"bundle": "t", "kernels": [{**base, "causal": True, "score": "softcap"}]})
+    assert [s.max_seqlen_k for s in expansion.specs] == [None]  # no short-sequence kernels per variant

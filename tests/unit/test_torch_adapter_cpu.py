@@ -145,7 +145,7 @@ def _without_device(monkeypatch, prepared_inputs):
     launch are replaced; returns the list of preparations and the list of launches."""
     preparations, launches = [], []
 
-    def prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale):
+    def prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale, *score_modifiers):
         preparations.append((q, k, v))
         return adapter._PreparedLaunch(FakePrepared(), prepared_inputs(q, k, v))
 
@@ -166,11 +166,11 @@ def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
     preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q, k, v))
     q, k, v = _qkv()
     for _ in range(3):
-        adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
+        adapter._flash_attn_fwd(q, k, v, None, None, True, -1, -1, 0.0, None, None)
     assert len(preparations) == 1 and len(launches) == 3
-    adapter._flash_attn_fwd(q, k, v, False, -1, -1, None, None)  # another mask: prepared anew
-    adapter._flash_attn_fwd(q, k, v, True, 3, -1, None, None)  # another window: prepared anew
-    adapter._flash_attn_fwd(q.clone(), k, v, True, -1, -1, None, None)  # another address: prepared anew
+    adapter._flash_attn_fwd(q, k, v, None, None, False, -1, -1, 0.0, None, None)  # another mask: prepared anew
+    adapter._flash_attn_fwd(q, k, v, None, None, True, 3, -1, 0.0, None, None)  # another window: prepared anew
+    adapter._flash_attn_fwd(q.clone(), k, v, None, None, True, -1, -1, 0.0, None, None)  # another address: prepared anew
     assert len(preparations) == 4
     kept = list(adapter._prepared_launches.values())
     assert kept and all(p.inputs == () for p in kept), "a kept launch must not hold the inputs"
@@ -179,8 +179,8 @@ def test_a_repeated_call_reuses_its_prepared_launch(monkeypatch):
 def test_a_call_that_copied_its_inputs_is_not_kept(monkeypatch):
     preparations, launches = _without_device(monkeypatch, lambda q, k, v: (q.clone(), k, v))
     q, k, v = _qkv()
-    adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
-    adapter._flash_attn_fwd(q, k, v, True, -1, -1, None, None)
+    adapter._flash_attn_fwd(q, k, v, None, None, True, -1, -1, 0.0, None, None)
+    adapter._flash_attn_fwd(q, k, v, None, None, True, -1, -1, 0.0, None, None)
     assert len(preparations) == 2 and not adapter._prepared_launches
 
 
@@ -200,10 +200,7 @@ def test_causal_must_be_a_bool(causal):
         flash_attn_func(*_qkv(), causal=causal)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("dropout_p", 0.1), ("softcap", 30.0),
-    ("alibi_slopes", torch.ones(4)), ("return_attn_probs", True),
-])
+@pytest.mark.parametrize("name, value", [("dropout_p", 0.1), ("return_attn_probs", True)])
 def test_unsupported_flash_attn_options_are_refused(name, value):
     with pytest.raises(NotImplementedError, match=f"{name}=.* is not supported"):
         flash_attn_func(*_qkv(), **{name: value})
@@ -211,11 +208,33 @@ def test_unsupported_flash_attn_options_are_refused(name, value):
 
 @pytest.mark.parametrize("name, value", [
     ("dropout_p", 0.0), ("dropout_p", 0), ("window_size", (-1, -1)), ("window_size", [-1, -1]),
-    ("softcap", 0.0), ("alibi_slopes", None), ("return_attn_probs", False),
+    ("softcap", 0.0), ("alibi_slopes", None), ("learnable_sink", None), ("return_attn_probs", False),
 ])
 def test_flash_attn_options_at_their_off_value_change_nothing(name, value):
     with pytest.raises(ValueError, match="CUDA tensors"):  # got as far as the device check
         flash_attn_func(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("options", [
+    {"softcap": 30.0}, {"alibi_slopes": torch.ones(4)}, {"alibi_slopes": torch.ones(2, 4)},
+    {"learnable_sink": torch.zeros(4)}, {"softcap": 50, "learnable_sink": torch.zeros(4, dtype=torch.bfloat16)},
+])
+def test_score_modifiers_get_as_far_as_the_device_check(options):
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_attn_func(*_qkv(), **options)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"softcap": -1.0}, ValueError, "softcap=-1.0: must be a finite number >= 0"),
+    ({"softcap": float("nan")}, ValueError, "softcap=nan"), ({"softcap": True}, TypeError, "softcap must be a number"),
+    ({"alibi_slopes": torch.ones(3)}, ValueError, r"alibi_slopes must be float of shape \(nheads,\) = \(4,\)"),
+    ({"alibi_slopes": torch.ones(4, dtype=torch.int32)}, ValueError, "alibi_slopes must be float"),
+    ({"learnable_sink": torch.zeros(2, 4)}, ValueError, r"learnable_sink must be float of shape \(nheads,\)"),
+    ({"learnable_sink": [0.0] * 4}, TypeError, "learnable_sink must be a tensor or None"),
+])
+def test_malformed_score_modifiers_are_refused(options, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*_qkv(), **options)
 
 
 @pytest.mark.parametrize("window, error, match", [

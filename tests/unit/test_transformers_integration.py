@@ -287,8 +287,12 @@ def test_direct_call_refusals(tf, kernel):
     tf.fagen_attention_forward(module, q, k, v, None, scaling=scale)
     assert kernel[-1]["causal"] is False, "the module's is_causal, when the call has none"
     module.is_causal = True
-    for options, match in [({"softcap": 30.0}, "softcap"), ({"dropout": 0.1}, "dropout"),
-                           ({"s_aux": torch.zeros(HEADS)}, "sinks"),
+    sinks = torch.zeros(HEADS)
+    tf.fagen_attention_forward(module, q, k, v, None, scaling=scale, softcap=30.0, s_aux=sinks)
+    assert kernel[-1]["options"]["softcap"] == 30.0 and kernel[-1]["options"]["learnable_sink"] is sinks, \
+        "Gemma-2's softcap and gpt-oss's sinks (s_aux) go to the kernel"
+    for options, match in [({"dropout": 0.1}, "dropout"),
+                           ({"position_bias": torch.zeros(1)}, "position bias"),
                            ({"output_attentions": True}, "output_attentions")]:
         with pytest.raises(NotImplementedError, match=match):
             tf.fagen_attention_forward(module, q, k, v, None, scaling=scale, **options)

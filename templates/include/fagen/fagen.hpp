@@ -387,15 +387,15 @@ enum class DType { fp16, bf16 };
 
 inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
 
-// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key); mask:
-// one of FAGEN_MASK_NAMES.
-inline std::string forward_key(DType dtype, int head_dim, const char* mask) {
-    return kernel_key("fwd", dtype_name(dtype), head_dim, mask);
+// Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key);
+// variant: a mask of FAGEN_MASK_NAMES, with the score modifiers (contract.h's variant_name).
+inline std::string forward_key(DType dtype, int head_dim, const std::string& variant) {
+    return kernel_key("fwd", dtype_name(dtype), head_dim, variant);
 }
 
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
-inline std::string backward_key(DType dtype, int head_dim, const char* mask) {
-    return kernel_key("bwd", dtype_name(dtype), head_dim, mask);
+inline std::string backward_key(DType dtype, int head_dim, const std::string& variant) {
+    return kernel_key("bwd", dtype_name(dtype), head_dim, variant);
 }
 
 // The mask of a call: its kind (one of FAGEN_MASK_NAMES) and the window sizes its kernel is
@@ -449,6 +449,30 @@ inline Result<float> kernel_scale_log2(std::optional<float> softmax_scale, int h
     return static_cast<float>(std::max(scale_log2, static_cast<double>(FAGEN_MIN_SCALE_LOG2)));
 }
 
+// What a call's softmax_scale and softcap launch with (params.h: scale_log2, softcap_scale):
+// fagen/contract.py's kernel_score_scale, the same rule and messages. Without a softcap
+// (softcap 0) kernel_scale_log2 alone; with one the kernels take tanh(softcap_scale * s) of the
+// raw score s, softcap_scale = softmax_scale / softcap, and scale_log2 = softcap * log2(e).
+struct KernelScale {
+    float scale_log2 = 0.f;
+    float softcap_scale = 0.f;
+};
+inline Result<KernelScale> kernel_score_scale(std::optional<float> softmax_scale, int head_dim, float softcap) {
+    if (std::isnan(softcap) || std::isinf(softcap) || softcap < 0) {
+        char text[64];
+        std::snprintf(text, sizeof text, "%g", static_cast<double>(softcap));
+        return Status::error(std::string("fagen: softcap=") + text + ": must be a finite number >= 0 (0: no softcap)");
+    }
+    const Result<float> scale_log2 = kernel_scale_log2(softmax_scale, head_dim);
+    if (!scale_log2.ok()) return scale_log2.status();
+    if (!(softcap > 0)) return KernelScale{scale_log2.value(), 0.f};
+    const double scale = softmax_scale.has_value() ? static_cast<double>(*softmax_scale)
+                                                   : 1.0 / std::sqrt(static_cast<double>(head_dim));
+    return KernelScale{static_cast<float>(std::max(static_cast<double>(softcap) * FAGEN_LOG2_E,
+                                                   static_cast<double>(FAGEN_MIN_SCALE_LOG2))),
+                       static_cast<float>(scale / static_cast<double>(softcap))};
+}
+
 // Why `path` (a file index.h names) is not a normalised relative path inside the bundle: the
 // rule of fagen/contract.py's path_problem. Empty when it is one.
 inline std::string path_problem(const std::string& path) {
@@ -494,6 +518,19 @@ struct Attention {
     // Unset: 1 / sqrt(head_dim). Any finite value >= 0 (0: uniform attention over the keys a row
     // sees); negative, inf and NaN are refused (kernel_scale_log2).
     std::optional<float> softmax_scale;
+    // The score modifiers, flash-attn's semantics (each a kernel variant, variant_name): softcap
+    // > 0 caps the scaled scores at softcap * tanh(score / softcap); alibi_slopes, fp32 of
+    // (heads_q,) or, with alibi_per_batch, (batch, heads_q), adds -slope * |i + seqlen_k -
+    // seqlen_q - j|; sinks, fp32 (heads_q,), a logit per query head in every row's softmax.
+    float softcap = 0.f;
+    CUdeviceptr alibi_slopes = 0;
+    bool alibi_per_batch = false;
+    CUdeviceptr sinks = 0;
+
+    // The variant of this call's kernel: its mask and score modifiers.
+    std::string variant(const CallMask& mask) const {
+        return variant_name(mask.kind, softcap > 0, alibi_slopes != 0, sinks != 0);
+    }
 };
 
 class Bundle;
@@ -629,6 +666,7 @@ struct AttentionBackward : Attention {
     CUdeviceptr dout = 0, dq = 0, dk = 0, dv = 0;
     std::optional<Strides> dout_strides, dq_strides, dk_strides, dv_strides;
     CUdeviceptr semaphores = 0;
+    CUdeviceptr dsinks = 0;  // with sinks: dL/dsink, fp32 (heads_q,), written
 };
 
 class Bundle {
@@ -750,11 +788,12 @@ public:
                                  ") a multiple of heads_kv (" + std::to_string(a.heads_kv) + ")");
         }
         if (Status s = check_grid_limits(a); !s.ok()) return s;
-        const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
-        if (!scale_log2.ok()) return scale_log2.status();
+        const Result<KernelScale> scale = kernel_score_scale(a.softmax_scale, a.head_dim, a.softcap);
+        if (!scale.ok()) return scale.status();
+        if (Status s = check_score_arrays(a); !s.ok()) return s;
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
@@ -775,7 +814,7 @@ public:
         p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
         p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
         p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
-        fill_problem(p, a, scale_log2.value(), mask.value());
+        fill_problem(p, a, scale.value(), mask.value());
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
@@ -799,7 +838,7 @@ public:
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         return sizeof(int) * static_cast<size_t>(workspace_layout(a, kernel.value()->info().block_m).semaphores);
     }
@@ -819,11 +858,16 @@ public:
             return Status::error("fagen: the backward needs the forward's lse and a workspace of " +
                                  std::to_string(backward_workspace_bytes(a)) + " bytes");
         }
-        const Result<float> scale_log2 = kernel_scale_log2(a.softmax_scale, a.head_dim);
-        if (!scale_log2.ok()) return scale_log2.status();
+        const Result<KernelScale> scale = kernel_score_scale(a.softmax_scale, a.head_dim, a.softcap);
+        if (!scale.ok()) return scale.status();
+        if (Status s = check_score_arrays(a); !s.ok()) return s;
+        if (a.sinks != 0 && (a.dsinks == 0 || a.dsinks % 4 != 0)) {
+            return Status::error("fagen: a backward with sinks needs dsinks, a 4-byte aligned fp32 device array of (" +
+                                 std::to_string(a.heads_q) + ",)");
+        }
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, mask.value().kind), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const auto [q, k, v, o] = strides_of(a);
         const Strides dout = a.dout_strides.value_or(o);
@@ -853,6 +897,8 @@ public:
         p.dq_accum = workspace + layout.dq_accum;
         p.softmax_d = workspace + layout.softmax_d;
         p.lse_log2 = workspace + layout.lse_log2;
+        p.sink_partials = workspace + layout.sink_partials;
+        p.dsinks = reinterpret_cast<float*>(a.dsinks);
         p.dq_semaphore = reinterpret_cast<int*>(a.semaphores);
         const std::pair<long long*, const Strides*> strides[] = {
             {&p.q_batch_stride, &q}, {&p.k_batch_stride, &k}, {&p.v_batch_stride, &v}, {&p.o_batch_stride, &o},
@@ -862,7 +908,7 @@ public:
             field[1] = tensor->row;
             field[2] = tensor->head;
         }
-        fill_problem(p, a, scale_log2.value(), mask.value());
+        fill_problem(p, a, scale.value(), mask.value());
         p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
                                                       : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
         if (!tma) return kernel.value()->launch_backward(p, nullptr, stream);
@@ -971,10 +1017,19 @@ private:
                 a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim))};
     }
 
+    // The score modifiers' arrays: fp32, 4-byte aligned (their presence picks the variant).
+    static Status check_score_arrays(const Attention& a) {
+        const std::pair<const char*, CUdeviceptr> arrays[] = {{"alibi_slopes", a.alibi_slopes}, {"sinks", a.sinks}};
+        for (const auto& [name, data] : arrays) {
+            if (data % 4 != 0) return Status::error(std::string("fagen: ") + name + " must be a 4-byte aligned fp32 device array");
+        }
+        return Status();
+    }
+
     // The fields FagenFwdParams and FagenBwdParams share: the LSE's layout (batch, heads_q,
-    // seqlen_q contiguous), the sizes, the scale and the mask's window.
+    // seqlen_q contiguous), the sizes, the scale, the mask's window and the score modifiers.
     template <class Params>
-    static void fill_problem(Params& p, const Attention& a, float scale_log2, const CallMask& mask) {
+    static void fill_problem(Params& p, const Attention& a, const KernelScale& scale, const CallMask& mask) {
         p.lse_batch_stride = static_cast<long long>(a.heads_q) * a.seqlen_q;
         p.lse_head_stride = a.seqlen_q;
         p.batch = a.batch;
@@ -982,9 +1037,13 @@ private:
         p.heads_kv = a.heads_kv;
         p.seqlen_q = a.seqlen_q;
         p.seqlen_k = a.seqlen_k;
-        p.scale_log2 = scale_log2;
+        p.scale_log2 = scale.scale_log2;
         p.window_left = mask.window_left;
         p.window_right = mask.window_right;
+        p.softcap_scale = scale.softcap_scale;
+        p.alibi_slopes = reinterpret_cast<const float*>(a.alibi_slopes);
+        p.alibi_batch_stride = a.alibi_per_batch ? a.heads_q : 0;
+        p.sinks = reinterpret_cast<const float*>(a.sinks);
     }
 
     // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8

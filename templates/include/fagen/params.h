@@ -7,7 +7,9 @@
 
 // 2: FagenBwdParams.dq_accum's rows padded per (batch, head).
 // 3: window_left, window_right.
-#define FAGEN_ABI_VERSION 3
+// 4: the score modifiers (softcap_scale, alibi_slopes, alibi_batch_stride, sinks; dsinks,
+//    sink_partials).
+#define FAGEN_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +46,14 @@ typedef struct FagenFwdParams {
     // ignore them.
     int window_left;
     int window_right;
+    // The score modifiers (algo/score.cuh), read only by kernels built with them: softcap:
+    // softmax_scale / softcap (scale_log2 is then softcap * log2(e)); ALiBi: fp32 slopes of
+    // (batch, heads_q) with alibi_batch_stride = heads_q, or of (heads_q,) with stride 0;
+    // sinks: one fp32 logit per query head (heads_q,), in the units of the scaled scores.
+    float softcap_scale;
+    const float* alibi_slopes;
+    long long alibi_batch_stride;
+    const float* sinks;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
@@ -88,7 +98,15 @@ typedef struct FagenBwdParams {
     float scale_log2;     // as in FagenFwdParams
     int window_left;      // as in FagenFwdParams
     int window_right;
+    float softcap_scale;  // the score modifiers, as in FagenFwdParams
+    const float* alibi_slopes;
+    long long alibi_batch_stride;
+    const float* sinks;
     float softmax_scale;  // dQ and dK are softmax_scale * (dS K), softmax_scale * (dS^T Q)
+    // Sinks only: dL/dsink per query head (heads_q,) fp32, written by the dQ conversion from the
+    // workspace's per-16-row partials (fagen/contract.py: BackwardWorkspace.sink_partials).
+    float* dsinks;
+    float* sink_partials;
 } FagenBwdParams;
 
 // A CUtensorMap (cuda.h) as an opaque, 64-byte-aligned blob: kernels built with NVRTC cannot

@@ -6,6 +6,10 @@
 //                                       (for calls with SEQLEN_K keys; "none")
 //   open_bundle --scale SCALE|default HEAD_DIM
 //                                       print kernel_scale_log2's value (%.9g) or its error
+//   open_bundle --score-scale SCALE|default HEAD_DIM SOFTCAP
+//                                       print kernel_score_scale's two values (%.9g) or its error
+//   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS
+//                                       print kernel_key of variant_name(MASK, ...)
 //   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
 //                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
 //                                       its error
@@ -32,6 +36,24 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
+    if (argc == 5 && std::strcmp(argv[1], "--score-scale") == 0) {
+        std::optional<float> scale;
+        if (std::strcmp(argv[2], "default") != 0) scale = std::strtof(argv[2], nullptr);
+        const fagen::Result<fagen::KernelScale> s =
+            fagen::kernel_score_scale(scale, std::atoi(argv[3]), std::strtof(argv[4], nullptr));
+        if (!s.ok()) {
+            std::printf("error: %s\n", s.status().message().c_str());
+        } else {
+            std::printf("%.9g %.9g\n", static_cast<double>(s.value().scale_log2), static_cast<double>(s.value().softcap_scale));
+        }
+        return 0;
+    }
+    if (argc == 9 && std::strcmp(argv[1], "--key") == 0) {
+        const std::string variant = fagen::variant_name(argv[5], std::atoi(argv[6]) != 0, std::atoi(argv[7]) != 0,
+                                                        std::atoi(argv[8]) != 0);
+        std::printf("%s\n", fagen::kernel_key(argv[2], argv[3], std::atoi(argv[4]), variant).c_str());
+        return 0;
+    }
     if (argc == 11 && std::strcmp(argv[1], "--grid") == 0) {
         long long v[9];
         for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[2 + i]);
@@ -44,8 +66,8 @@ int main(int argc, char** argv) {
         const fagen::BackwardWorkspace w = fagen::backward_workspace(
             std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), std::atoi(argv[6]));
         const fagen::GridDims rows = fagen::bwd_row_grid(std::atoll(argv[4]), std::atoll(argv[3]), std::atoll(argv[2]));
-        std::printf("%lld %lld %lld %lld %lld %lld %lld %lld\n", w.dq_accum, w.softmax_d, w.lse_log2, w.floats,
-                    w.semaphores, rows.x, rows.y, rows.z);
+        std::printf("%lld %lld %lld %lld %lld %lld %lld %lld %lld\n", w.dq_accum, w.softmax_d, w.lse_log2,
+                    w.sink_partials, w.floats, w.semaphores, rows.x, rows.y, rows.z);
         return 0;
     }
     if (argc == 7 && std::strcmp(argv[1], "--mask") == 0) {

@@ -13,12 +13,13 @@
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/lse.cuh"
 #include "fagen/algo/element.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/params.h"
 #include "fagen/types.cuh"
 
 namespace fagen::algo {
 
-template <class Element, int kHeadDim, int kRowsPerCta, int kRowThreads, int kAccumRowAlign,
+template <class Element, int kHeadDim, int kRowsPerCta, int kRowThreads, int kAccumRowAlign, bool kSinks,
           bool kFragmentTiles = false>
 struct BackwardRows {
     using Ops = algo::ElementOps<Element>;
@@ -85,14 +86,26 @@ struct BackwardRows {
         }
         // Row g's diagonal element is column g of the first tile, held by lane 4g + g/2 as its
         // element g % 2; row g + 8's is column g of the second tile, element 2 + g % 2 there.
+        float sink_grad = 0.f;  // this lane's rows' part of dL/dsink
         if (t == g / 2) {
             for (int half = 0; half < 2; ++half) {
                 const int row = first + g + 8 * half;
                 if (row >= p.seqlen_q) continue;
                 const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-                p.softmax_d[head_row0 + row] = acc[half][2 * half + g % 2];
+                const float d = acc[half][2 * half + g % 2];
+                p.softmax_d[head_row0 + row] = d;
                 p.lse_log2[head_row0 + row] = algo::base2_lse(lse);
+                // The sink's probability P_s = exp(sink - LSE) and its dP_s = dO . 0: its
+                // gradient is P_s (0 - D), summed over the rows.
+                if constexpr (kSinks) sink_grad -= ptx::ex2_approx_ftz(head_sink_log2(p, head) - algo::base2_lse(lse)) * d;
             }
+        }
+        if constexpr (kSinks) {
+            // The warp's 16 rows in a fixed order (xor tree), one partial per 16 rows
+            // (fagen/contract.py: BackwardWorkspace.sink_partials): convert_dq sums them.
+#pragma unroll
+            for (int offset = 16; offset > 0; offset /= 2) sink_grad += __shfl_xor_sync(0xffffffffu, sink_grad, offset);
+            if (lane == 0) p.sink_partials[(batch * p.heads_q + head) * sink_partials_per_head(p) + first / 16] = sink_grad;
         }
         float* accum = p.dq_accum + accum_head(p, batch * p.heads_q + head);
         for (int r = 0; r < 16 && first + r < p.seqlen_q; ++r) {
@@ -102,10 +115,29 @@ struct BackwardRows {
         }
     }
 
+    static __device__ __forceinline__ int sink_partials_per_head(const FagenBwdParams& p) {
+        return (p.seqlen_q + 15) / 16;
+    }
+
     // ---------------------------------------------------------------- dq
+    // Also, with sinks, dL/dsink of each head: the first CTA of the head's rows in batch 0 sums
+    // the preprocess's partials of every batch in a fixed order (deterministic in any mode).
     static __device__ void convert_dq(const FagenBwdParams& p) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
+        if constexpr (kSinks) {
+            if (blockIdx.x == 0 && batch == 0 && warp == 0) {
+                const int per_head = sink_partials_per_head(p);
+                float sum = 0.f;
+                for (int b = 0; b < p.batch; ++b) {
+                    const float* partials = p.sink_partials + (b * p.heads_q + head) * per_head;
+                    for (int i = lane; i < per_head; i += 32) sum += partials[i];
+                }
+#pragma unroll
+                for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+                if (lane == 0) p.dsinks[head] = sum;
+            }
+        }
         for (int r = warp; r < kRowsPerCta; r += kRowThreads / 32) {
             const int row = blockIdx.x * kRowsPerCta + r;
             if (row >= p.seqlen_q) break;

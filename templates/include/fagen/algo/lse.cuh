@@ -20,6 +20,7 @@
 namespace fagen::algo {
 
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 
 // The backward's exponent: fl(s * scale_log2) - lse2, never contracted into an FMA (see the top of
 // this file).

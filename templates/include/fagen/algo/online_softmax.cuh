@@ -191,16 +191,19 @@ struct OnlineSoftmax {
     }
 
     // Normalizes `out` by the row sums and returns each row's natural-log LSE in `lse`.
-    // Rows that saw no key get 0 output and LSE = -inf.
-    template <int kNO>
+    // Rows that saw no key get 0 output and LSE = -inf (with a sink: the sink's logit).
+    // kSink: the head's attention sink, a logit of `sink_log2` (base 2, scaled units) that joins
+    // every row's denominator and adds nothing to O (gpt-oss's sinks): both terms are taken
+    // against the larger of the row's reference and the sink, so neither overflows.
+    template <bool kSink = false, int kNO>
     __device__ __forceinline__ void finalize(float (&out)[kM][kNO][4], float (&lse)[kM][2],
-                                             float scale_log2) {
+                                             float scale_log2, float sink_log2 = 0.f) {
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 // Both columns of the sum tile a thread holds carry its row's sum.
-                const float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
+                float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
                 float divisor = sum;
                 if constexpr (kCorrectEachBlock) {
                     divisor += row_rounding[m][h];
@@ -208,8 +211,20 @@ struct OnlineSoftmax {
                     divisor += operand_rounding<Ops>(row_max[m][h], scale_log2,
                                                      reference_scaled(row_max[m][h], scale_log2));
                 }
-                const float inv = inverse_row_sum(divisor);
-                lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
+                float inv;
+                if constexpr (kSink) {
+                    // An empty row's reference is a placeholder: the sink alone.
+                    const float keys_top = reference_scaled(row_max[m][h], scale_log2);
+                    const float top = sum == 0.f ? sink_log2 : fmaxf(keys_top, sink_log2);
+                    const float keys = sum == 0.f ? 0.f : ptx::ex2_approx_ftz(keys_top - top);
+                    const float sink = ptx::ex2_approx_ftz(sink_log2 - top);
+                    sum = fmaf(sum, keys, sink);
+                    inv = keys / fmaf(divisor, keys, sink);
+                    lse[m][h] = natural_lse(top, sum);
+                } else {
+                    inv = inverse_row_sum(divisor);
+                    lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
+                }
 #pragma unroll
                 for (int n = 0; n < kNO; ++n) {
                     out[m][n][2 * h] *= inv;

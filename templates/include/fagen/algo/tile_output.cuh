@@ -22,11 +22,12 @@ __device__ __forceinline__ float* tile_lse(const FagenFwdParams& p, int batch, i
                : p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + row_begin;
 }
 
-// Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf, for
-// the first `rows_valid` of kRows rows, written by kThreads threads (`thread` in [0, kThreads)).
+// Query rows that see no key at all (causal with seqlen_q > seqlen_k): O = 0, LSE = `empty_lse`
+// (-inf; with a sink, the sink's logit, the row's only term), for the first `rows_valid` of kRows
+// rows, written by kThreads threads (`thread` in [0, kThreads)).
 template <class Element, int kRows, int kHeadDim, int kThreads>
 __device__ void write_empty_rows(Element* o, long long o_row_stride, float* lse,
-                                 int rows_valid, int thread) {
+                                 int rows_valid, int thread, float empty_lse = neg_inf()) {
     constexpr int kVecsPerRow = kHeadDim / 8;  // 16-byte vectors
     for (int idx = thread; idx < kRows * kVecsPerRow; idx += kThreads) {
         const int row = idx / kVecsPerRow;
@@ -37,7 +38,7 @@ __device__ void write_empty_rows(Element* o, long long o_row_stride, float* lse,
     }
     if (lse != nullptr) {
         for (int row = thread; row < kRows && row < rows_valid; row += kThreads) {
-            lse[row] = neg_inf();
+            lse[row] = empty_lse;
         }
     }
 }

@@ -39,6 +39,7 @@
 #include "fagen/algo/backward_tile.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/algo/smem_rows.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/params.h"
@@ -54,8 +55,10 @@ struct Backward {
     using Element = typename Config::Element;
     using Ops = algo::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kMask>;
+    using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
+    using DsoftcapOps = algo::ElementOps<__half>;  // the softcap's 1 - u^2, kept as fp16 pairs
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads,
-                                    Config::kDqAccumRowAlign, /*kFragmentTiles=*/true>;
+                                    Config::kDqAccumRowAlign, Config::kSinks, /*kFragmentTiles=*/true>;
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -364,16 +367,27 @@ struct Backward {
                                     mask.block_needs_mask(first_key / kWarpKeys, first_query, kBlockM / kColSplits, kWarpKeys);
             float acc_s[kKeyTiles][kSTiles][4];
             float acc_dp[kKeyTiles][kSTiles][4];
+            // The softcap's 1 - u^2 per score (algo/score.cuh), for dS, as fp16 pairs.
+            uint32_t dsoftcap[Config::kSoftcap ? kKeyTiles : 1][Config::kSoftcap ? kSTiles : 1][2];
+            const auto score = Score::of(p, batch, head - batch * p.heads_q);
             warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch, s.q(stage) + b_lane + warp_query * kPitch);
 #pragma unroll
             for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
-                for (int n = 0; n < kSTiles; ++n)
+                for (int n = 0; n < kSTiles; ++n) {
+                    float grads[4];
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const int query = warp_query + algo::fragment_coord(lane, m, n, i).col;
-                        acc_s[m][n][i] = ptx::ex2_approx_ftz(algo::backward_exponent(acc_s[m][n][i], p.scale_log2, lse[query]));
+                        const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, i);
+                        float u = acc_s[m][n][i];
+                        if constexpr (!Score::kIdentity) u = score.modify(u, first_query + f.col, first_key + f.row, grads[i]);
+                        acc_s[m][n][i] = ptx::ex2_approx_ftz(algo::backward_exponent(u, p.scale_log2, lse[warp_query + f.col]));
                     }
+                    if constexpr (Config::kSoftcap) {
+                        dsoftcap[m][n][0] = DsoftcapOps::pack(grads[0], grads[1]);
+                        dsoftcap[m][n][1] = DsoftcapOps::pack(grads[2], grads[3]);
+                    }
+                }
             if (needs_mask) {
 #pragma unroll
                 for (int m = 0; m < kKeyTiles; ++m)
@@ -396,6 +410,10 @@ struct Backward {
                     for (int i = 0; i < 4; ++i) {
                         const int query = warp_query + algo::fragment_coord(lane, m, n, i).col;
                         acc_dp[m][n][i] = acc_s[m][n][i] * (acc_dp[m][n][i] - dsum[query]);
+                        if constexpr (Config::kSoftcap) {
+                            const float2 grads = DsoftcapOps::unpack(dsoftcap[m][n][i / 2]);
+                            acc_dp[m][n][i] *= i & 1 ? grads.y : grads.x;
+                        }
                     }
             store_probs(s.ds(), acc_dp, warp_key, warp_query, lane);
 

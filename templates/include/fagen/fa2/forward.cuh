@@ -13,6 +13,7 @@
 
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/algo/smem_rows.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
@@ -66,6 +67,7 @@ struct Forward {
         const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
 
         const auto mask = algo::AttentionMask<Config::kMask>::of(p);
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(p, batch, head);
         const algo::KeyBlocks blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
         const int n_blocks = blocks.count();
 
@@ -75,7 +77,7 @@ struct Forward {
 
         if (n_blocks <= 0) {
             algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDim, kThreads>(
-                o, p.o_row_stride, lse, rows_valid, tid);
+                o, p.o_row_stride, lse, rows_valid, tid, Config::kSinks ? p.sinks[head] : algo::neg_inf());
             return;
         }
 
@@ -184,6 +186,7 @@ struct Forward {
                 ptx::cp_async_commit_group();
             }
 
+            score.apply(acc_s, lane, row_begin + warp_row, n_block * Config::kBlockN);
             if (mask.block_needs_mask(n_block, row_begin + warp_row, Config::kWarpRows, Config::kBlockN)) {
                 mask.apply(acc_s, lane, row_begin + warp_row, n_block * Config::kBlockN);
             }
@@ -211,7 +214,8 @@ struct Forward {
         ptx::cp_async_wait_group<0>();
 
         float row_lse[kMTiles][2];
-        softmax.finalize(acc_o, row_lse, p.scale_log2);
+        softmax.template finalize<Config::kSinks>(acc_o, row_lse, p.scale_log2,
+                                                  Config::kSinks ? algo::head_sink_log2(p, head) : 0.f);
         store_output(acc_o, row_lse, smem, o, p.o_row_stride, lse, rows_valid, warp_row, lane);
     }
 

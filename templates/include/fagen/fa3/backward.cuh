@@ -46,6 +46,7 @@
 #include "fagen/algo/backward_tile.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/mask.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/algo/tma_tile.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/params.h"
@@ -70,8 +71,9 @@ struct Backward {
     using Element = typename Config::Element;
     using Ops = algo::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kMask>;
+    using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
-                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign>;
+                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks>;
     using Order = algo::TileOrder<Config::kMask, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -91,6 +93,10 @@ struct Backward {
     static constexpr int kQKSteps = kHeadDim / 16;              // k16 steps of S^T and dP^T
     static constexpr int kQuerySteps = kBlockM / 16;            // k16 steps of dV and dK
     static constexpr int kSTiles = kScoreQueries / 8;           // n8 tiles of S^T per warp
+    // The softcap's 1 - u^2 per score (algo/score.cuh), kept for dS as fp16 pairs (its fp32
+    // copy spilled 32 bytes at head_dim 128); one unused tile without.
+    static constexpr int kSoftcapTiles = Config::kSoftcap ? kSTiles : 1;
+    using DsoftcapOps = algo::ElementOps<__half>;
     static constexpr int kKVTiles = kGradColumns / 8;           // n8 tiles of dK, dV per warp
     static constexpr int kDqColumns = kHeadDim / kConsumers;  // a consumer's part of dQ
     static constexpr int kDqTiles = kDqColumns / 8;
@@ -376,28 +382,46 @@ struct Backward {
         }
     }
 
-    // P^T = exp2(S^T scale_log2 - LSE) in place; `lse` holds the LSE of the consumer's first
-    // query on. The two queries (columns) of a thread's pair in an n8 tile: one 8-byte load.
-    static __device__ __forceinline__ void probabilities(float (&acc)[kSTiles][4], const float* lse,
+    // P^T = exp2(S^T scale_log2 - LSE) in place, the scores modified first (`score`; the warp's
+    // keys from first_key, the queries from first_query); `lse` holds the LSE of the consumer's
+    // first query on. The two queries (columns) of a thread's pair in an n8 tile: one 8-byte load.
+    static __device__ __forceinline__ void probabilities(float (&acc)[kSTiles][4],
+                                                         uint32_t (&dsoftcap)[kSoftcapTiles][2], const Score& score,
+                                                         int first_key, int first_query, const float* lse,
                                                          float scale_log2, int lane) {
 #pragma unroll
         for (int n = 0; n < kSTiles; ++n) {
             const float2 lse_pair = *reinterpret_cast<const float2*>(lse + algo::fragment_coord(lane, 0, n, 0).col);
+            float grads[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
+                const algo::FragmentCoord f = algo::fragment_coord(lane, 0, n, i);
+                float u = acc[n][i];
+                if constexpr (!Score::kIdentity) u = score.modify(u, first_query + f.col, first_key + f.row, grads[i]);
                 acc[n][i] = ptx::ex2_approx_ftz(
-                    algo::backward_exponent(acc[n][i], scale_log2, i & 1 ? lse_pair.y : lse_pair.x));
+                    algo::backward_exponent(u, scale_log2, i & 1 ? lse_pair.y : lse_pair.x));
+            }
+            if constexpr (Config::kSoftcap) {
+                dsoftcap[n][0] = DsoftcapOps::pack(grads[0], grads[1]);
+                dsoftcap[n][1] = DsoftcapOps::pack(grads[2], grads[3]);
             }
         }
     }
 
-    // dS^T = P^T (dP^T - D) in place in dP^T's n8 tile n; `dsum` holds D from the consumer's first
-    // query on.
+    // dS^T = P^T (dP^T - D) in place in dP^T's n8 tile n (times the softcap's 1 - u^2); `dsum`
+    // holds D from the consumer's first query on.
     static __device__ __forceinline__ void score_grads(float (&dp)[kSTiles][4], const float (&probs)[kSTiles][4],
+                                                       const uint32_t (&dsoftcap)[kSoftcapTiles][2],
                                                        const float* dsum, int n, int lane) {
         const float2 d_pair = *reinterpret_cast<const float2*>(dsum + algo::fragment_coord(lane, 0, n, 0).col);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) dp[n][i] = probs[n][i] * (dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
+        for (int i = 0; i < 4; ++i) {
+            dp[n][i] = probs[n][i] * (dp[n][i] - (i & 1 ? d_pair.y : d_pair.x));
+            if constexpr (Config::kSoftcap) {
+                const float2 grads = DsoftcapOps::unpack(dsoftcap[n][i / 2]);
+                dp[n][i] *= i & 1 ? grads.y : grads.x;
+            }
+        }
     }
 
     // dS^T or P^T (this consumer's rows of the accumulator layout, its queries from first_col on)
@@ -536,7 +560,8 @@ struct Backward {
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
             uint32_t p_frags[kQuerySteps][4];
-            probabilities(acc_s, lse, p.scale_log2, lane);
+            uint32_t dsoftcap[kSoftcapTiles][2];
+            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head), first_key, row_begin, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, row_begin);
 
             // dS^T, and both P^T and dS^T packed into A fragments one k16 step at a time, so that
@@ -548,7 +573,7 @@ struct Backward {
 #pragma unroll
             for (int kk = 0; kk < kQuerySteps; ++kk) {
 #pragma unroll
-                for (int n = 2 * kk; n < 2 * kk + 2; ++n) score_grads(acc_dp, acc_s, dsum, n, lane);
+                for (int n = 2 * kk; n < 2 * kk + 2; ++n) score_grads(acc_dp, acc_s, dsoftcap, dsum, n, lane);
                 algo::pack_a_fragment<Element>(p_frags[kk], acc_s, kk);
                 algo::pack_a_fragment<Element>(ds_frags[kk], acc_dp, kk);
             }
@@ -672,12 +697,13 @@ struct Backward {
             const bool needs_mask = kMayMask && mask.block_needs_mask(first_key / 16, query_begin, kScoreQueries, 16);
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
-            probabilities(acc_s, lse, p.scale_log2, lane);
+            uint32_t dsoftcap[kSoftcapTiles][2];
+            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head), first_key, query_begin, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, query_begin);
             ptx::wgmma_wait_group<0>();
             ptx::fence_accumulators(acc_dp);
 #pragma unroll
-            for (int n = 0; n < kSTiles; ++n) score_grads(acc_dp, acc_s, dsum, n, lane);
+            for (int n = 0; n < kSTiles; ++n) score_grads(acc_dp, acc_s, dsoftcap, dsum, n, lane);
             store_ds(s.pt(buffer), acc_s, warp * 16, own_query, lane);
             store_ds(s.ds(buffer), acc_dp, warp * 16, own_query, lane);
             ptx::fence_proxy_async_shared_cta();  // P^T, dS^T were written through the generic proxy

@@ -28,6 +28,7 @@
 #pragma once
 
 #include "fagen/algo/mask.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
@@ -235,6 +236,7 @@ struct Forward {
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
         const auto mask = algo::AttentionMask<Config::kMask>::of(prm);
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
         const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
         auto slot_of = [&](int j) { return algo::ring_slot<kStages>(ring_base + j); };
@@ -263,6 +265,7 @@ struct Forward {
         // caller once P_{j-1} V_{j-1}, still in flight here, has completed.
         auto scores = [&](int j, auto may_need_mask) {
             const int n_block = w.n_block(j);
+            score.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
             if constexpr (decltype(may_need_mask)::value) {
                 if (mask.block_needs_mask(n_block, w.row_begin + warp_row, 16, kBlockN)) {
                     mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
@@ -353,7 +356,8 @@ struct Forward {
         ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
 
         float row_lse[1][2];
-        softmax.finalize(acc_o, row_lse, prm.scale_log2);
+        softmax.template finalize<Config::kSinks>(acc_o, row_lse, prm.scale_log2,
+                                                  Config::kSinks ? algo::head_sink_log2(prm, w.head) : 0.f);
         store_output(prm, w, acc_o[0], row_lse, warp_row, lane);
     }
 
@@ -401,12 +405,13 @@ struct Forward {
         }
     }
 
-    // Query rows that see no key at all (algo/mask.cuh): O = 0, LSE = -inf.
+    // Query rows that see no key at all (algo/mask.cuh): O = 0, LSE = -inf (with a sink: its logit).
     // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
         algo::write_empty_rows<Element, kBlockM, kHeadDim, kConsumerThreads>(
             algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
-            algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin, thread);
+            algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin, thread,
+            Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
     }
 
     // ---------------------------------------------------------------- entry

@@ -1,0 +1,168 @@
+"""Score modifiers (softcap, attention sinks, ALiBi): fagen's variant kernels against flash-attn-4
+(CuTe DSL, its Hopper path: softcap and learnable_sink, not ALiBi) where it is importable, and
+against fagen's own kernel of the same mask without the modifier (what the modifier costs),
+same process.
+
+Protocol as bench.attention (bf16, 16384 tokens per batch, hidden 2048, median of triton's
+do_bench; rounds in rotating order), the model families' shapes: softcap 50 at head dims 128 and
+256 (Gemma-2) causal and with its window of 4096 keys; sinks at head dim 64 (gpt-oss) causal and
+with its window of 128; ALiBi at 128 causal (BLOOM, MPT). FLOPs: 4 * d per visible (query, key)
+pair forward, 2.5x that backward.
+
+    python -m bench.score [--variants softcap,sinks,alibi,window] [--seqlens 4k,16k]
+                          [--direction fwd|bwd] [--repeats N] [--bundle DIR] [--json PATH]
+
+flash-attn-4 runs with PYTHONPATH and CUTE_DSL_LIBS set as ../shared/BENCHMARKS.md says; a row
+without it (or where it refuses the variant) says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from bench import cuda_missing
+from bench.attention import DIRECTION_FLOPS, HIDDEN, TOTAL_TOKENS, _int_list, median_ms, tflops
+from bench.window import visible_pairs
+from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
+
+# variant: (head dims, the windows (left sizes; None: causal without one), the call's options)
+VARIANTS = {
+    "softcap": ((128, 256), (None, 4095), {"softcap": 50.0}),
+    "sinks": ((64,), (None, 127), {"learnable_sink": True}),
+    "alibi": ((128,), (None,), {"alibi_slopes": True}),
+    "window": ((64, 128), (1023, 4095), {}),  # no modifier: the sliding window alone against FA4
+}
+
+
+def flash_attn_4():
+    """flash-attn-4's flash_attn_func, or None where it is not importable."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
+        return None
+    return fa4
+
+
+def options_of(variant: str, heads: int) -> dict:
+    """The call's keyword options, tensors made for `heads` query heads."""
+    options = dict(VARIANTS[variant][2])
+    if options.pop("learnable_sink", False):
+        options["learnable_sink"] = torch.randn(heads, device="cuda", dtype=torch.float32)
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    return options
+
+
+def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle, direction: str,
+            repeats: int, fa4) -> dict:
+    batch, heads = max(1, TOTAL_TOKENS // seqlen), HIDDEN // head_dim
+    grad = direction != "fwd"
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    options = options_of(variant, heads)
+    mask = {"causal": True} if window is None else {"causal": True, "window_size": (window, 0)}
+    row = {"variant": variant, "head_dim": head_dim, "window": window, "seqlen": seqlen, "direction": direction,
+           "ms": {}, "errors": {}}
+
+    def timed(attention):
+        if direction == "fwd":
+            return lambda: attention(q, k, v)
+        out = attention(q, k, v)
+        inputs = (q, k, v)
+        return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+    contenders = {
+        "fagen": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, **options, bundle=bundle)),
+        "plain": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, bundle=bundle)),
+    }
+    if fa4 is None:
+        row["errors"]["FA4"] = "flash-attn-4 not importable"
+    elif "alibi_slopes" in options:
+        row["errors"]["FA4"] = "flash-attn-4 has no ALiBi"
+    else:
+        fa4_mask = {"causal": True} if window is None else {"causal": True, "window_size": (window, 0)}
+        try:
+            def theirs_of(q, k, v):
+                out = fa4(q, k, v, **fa4_mask, **options)
+                return out[0] if isinstance(out, tuple) else out  # (out, lse) in some versions
+
+            contenders["FA4"] = timed(theirs_of)
+            with torch.no_grad():
+                theirs = theirs_of(q, k, v)
+                ours = flash_attn_func(q, k, v, **mask, **options, bundle=bundle)
+            row["max_abs_diff_vs_FA4"] = (ours.float() - theirs.float()).abs().max().item()
+        except Exception as exc:  # the DSL's compile errors are of its own types
+            row["errors"]["FA4"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            contenders.pop("FA4", None)
+    samples: dict[str, list[float]] = {}
+    names = list(contenders)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in row["errors"]:
+                continue
+            try:
+                samples.setdefault(name, []).append(median_ms(contenders[name]))
+            except (RuntimeError, KernelNotFound) as exc:
+                row["errors"][name] = str(exc).splitlines()[0]
+    row["ms"] = {name: statistics.median(s) for name, s in samples.items() if s}
+    pairs = batch * heads * visible_pairs(seqlen, seqlen if window is None else window)
+    row["tflops"] = {name: tflops(4.0 * head_dim * pairs * DIRECTION_FLOPS[direction], ms)
+                     for name, ms in row["ms"].items()}
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| dir | variant | hd | window | seqlen | fagen TFLOP/s | FA4 TFLOP/s | fagen/FA4 | "
+             "time / plain time |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, ms = r["tflops"], r["ms"]
+        ratio = f"{t['fagen'] / t['FA4']:.2f}" if "fagen" in t and "FA4" in t else "-"
+        cost = f"{ms['fagen'] / ms['plain']:.2f}" if "fagen" in ms and "plain" in ms else "-"
+        lines.append(f"| {r['direction']} | {r['variant']} | {r['head_dim']} | {r['window'] or '-'} | {r['seqlen']} | "
+                     f"{t.get('fagen', 0):.0f} | {t.get('FA4', 0):.0f} | {ratio} | {cost} |")
+    for r in rows:
+        for name, text in r["errors"].items():
+            lines.append(f"  {r['direction']} {r['variant']} hd{r['head_dim']} s{r['seqlen']} {name}: {text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.score", description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of " + ", ".join(VARIANTS))
+    parser.add_argument("--seqlens", type=_int_list, default=[4096, 16384])
+    parser.add_argument("--direction", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bundle", default=None)
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}: of {', '.join(VARIANTS)}")
+    if cuda_missing("bench.score"):
+        return 2
+    bundle = get_bundle(args.bundle)
+    fa4 = flash_attn_4()
+    rows = []
+    for variant in variants:
+        head_dims, windows, _ = VARIANTS[variant]
+        for head_dim in head_dims:
+            for window in windows:
+                for seqlen in args.seqlens:
+                    rows.append(measure(variant, head_dim, window, seqlen, bundle, args.direction, args.repeats, fa4))
+                    print(f"measured {rows[-1]}", flush=True)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
