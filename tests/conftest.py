@@ -33,3 +33,5 @@ def pytest_addoption(parser):
     group.addoption("--differential-seconds", type=float, default=120.0,
                     help="stop drawing new cases after this many seconds")
     group.addoption("--differential-seed", type=int, default=0, help="the first case's seed")
+    group.addoption("--differential-score-share", type=float, default=0.25,
+                    help="share of the cases that draw score modifiers where the bundle has the variant")

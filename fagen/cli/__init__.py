@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                        "bundle name from the spec)")
     build.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                        help="parallel NVRTC compiles (default: number of CPUs)")
+    build.add_argument("--arch", metavar="ARCHS",
+                       help="build only the spec's kernels for these targets, comma-separated (e.g. "
+                       "sm90a,sm90 for a Hopper machine: a cubin runs on its own major version only, "
+                       "so the rest would not load there anyway)")
     build.add_argument("-n", "--dry-run", action="store_true",
                        help="show the kernels the spec expands to (per algorithm, with tiles) and "
                        "what it skips; compile and write nothing")

@@ -38,6 +38,22 @@ def _algorithm_label(fa_version: int, direction: str, arch: str) -> str:
     return f"fa{fa_version} {arch}" if direction == "fwd" else f"fa{fa_version} {direction} {arch}"
 
 
+def _keep_archs(expansion, archs_text: str) -> str | None:
+    """Restricts `expansion` to the kernels of the targets `archs_text` names; why not, or None."""
+    from ..spec import ARCHS
+
+    wanted = [a.strip() for a in archs_text.split(",") if a.strip()]
+    known = {arch.value for arch in ARCHS}
+    if unknown := [a for a in wanted if a not in known]:
+        return f"--arch {archs_text}: {', '.join(unknown)} not a target (one of {', '.join(sorted(known))})"
+    kept = [spec for spec in expansion.specs if spec.arch.value in wanted]
+    if not kept:
+        present = sorted({spec.arch.value for spec in expansion.specs})
+        return f"--arch {archs_text}: the spec has no kernel for it (its targets: {', '.join(present)})"
+    expansion.specs = kept
+    return None
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from ..spec import SpecError, load_spec_file
 
@@ -46,6 +62,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         expansion = load_spec_file(spec_path)
     except SpecError as exc:
         return fail(str(exc))
+    if args.arch:
+        problem = _keep_archs(expansion, args.arch)
+        if problem:
+            return fail(problem)
     out_dir = Path(args.output) if args.output else paths.generated_dir() / expansion.bundle
     if args.dry_run:
         return _dry_run(expansion, spec_path, out_dir)

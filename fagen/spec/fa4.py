@@ -148,9 +148,6 @@ class Fa4ForwardSpec(KernelSpec):
     MASKS: ClassVar[tuple[str, ...]] = ("full", "causal")
     WHY_MASKS: ClassVar[str] = ("a window's left edge in the softmax warps' mask spilled 4 bytes at "
                                 "head_dim 128 (168 registers, 2026-12-01)")
-    SCORE_MODS: ClassVar[tuple[str, ...]] = ()
-    WHY_SCORE_MODS: ClassVar[str] = ("the FA4 forward's softmax warps have their own exponent and "
-                                     "row-sum code (not algo/online_softmax.cuh), which does not take the modifiers yet")
 
     fa_version: Literal[4]
     direction: Literal["fwd"] = "fwd"

@@ -27,6 +27,8 @@ def test_covers_head_dims_masks_and_dtypes(blackwell):
     keys = {(e.spec["head_dim"], e.spec["causal"], e.spec["dtype"]) for e in report.manifest.kernels}
     assert {(d, c, "bf16") for d in (64, 128) for c in (False, True)} <= keys
     assert all(e.fa_version == 4 and e.arch == "sm100a" for e in report.manifest.kernels)
+    variants = {(e.spec["head_dim"], tuple(e.spec.get("score", ()))) for e in report.manifest.kernels}
+    assert {(128, ("softcap",)), (128, ("alibi",)), (64, ("sinks",))} <= variants
 
 
 def test_sass_has_tcgen05_and_tma_and_no_local_memory(blackwell):

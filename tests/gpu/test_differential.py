@@ -6,8 +6,8 @@ the size of q and k (x1 to x16, sometimes with outliers x100), the layout (conti
 transposed view, sliced heads), which inputs need gradients and, where the bundle has local
 kernels, a sliding window in a quarter of the cases (drawn last, from a generator of its own, so
 that the other fields of a seed are what they were before windows); then, where the bundle has
-the variant, score modifiers in a quarter of the cases (softcap, ALiBi, sinks, alone or
-together; from a generator of their own too). Outputs and gradients (the sink's too) are
+the variant, score modifiers (softcap, ALiBi, sinks, alone or together) in a quarter of the cases
+(`--differential-score-share`; from a generator of their own too). Outputs and gradients (the sink's too) are
 poisoned before their launches; the rules are attention_reference's (2x / 3x, everything
 finite).
 
@@ -110,7 +110,8 @@ SCORE_CHOICES = (("softcap",), ("alibi",), ("sinks",), ("softcap", "sinks"), ("s
 
 def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]],
               local: frozenset[tuple[str, int]] = frozenset(),
-              variants: frozenset[tuple[str, int, str, tuple[str, ...]]] = frozenset()) -> Case:
+              variants: frozenset[tuple[str, int, str, tuple[str, ...]]] = frozenset(),
+              score_share: float = 0.25) -> Case:
     rng = random.Random(seed)
     dtype, causal = rng.choice(sorted(head_dims))
     seqlen_q, seqlen_k = draw_seqlen(rng), draw_seqlen(rng)
@@ -133,7 +134,7 @@ def draw_case(seed: int, head_dims: dict[tuple[str, bool], list[int]],
     if (dtype, case.head_dim) in local and windows.random() < 0.25:
         case = dataclasses.replace(case, window=draw_window(windows, seqlen_q, seqlen_k))
     scores = random.Random(f"score {seed}")
-    if scores.random() < 0.25:
+    if scores.random() < score_share:
         mods = scores.choice(SCORE_CHOICES)
         kind = contract.call_mask(case.causal, case.window, seqlen_q, seqlen_k).kind
         if (dtype, case.head_dim, kind, mods) in variants:
@@ -289,7 +290,7 @@ def test_randomized_differential(bundle, request):
     for seed in range(first, first + cases):
         if time.monotonic() - start > seconds:
             break
-        case = draw_case(seed, head_dims, local, variants)
+        case = draw_case(seed, head_dims, local, variants, request.config.getoption("--differential-score-share"))
         ran += 1
         failures = run_case(case, bundle)
         if failures:

@@ -180,6 +180,16 @@ def test_dry_run_lists_every_kernel_with_its_tile_and_writes_nothing(tmp_path, c
     assert not out_dir.exists()
 
 
+def test_arch_keeps_only_those_targets_kernels(tmp_path, capsys):
+    code, out, err = run(capsys, "build", "--dry-run", CI_SMALL, "--arch", "sm90a", "-o", tmp_path / "out")
+    assert code == 0 and err == ""
+    assert "fa3 bwd sm90a: 1 kernel" in out.splitlines() and "fa2 sm90" not in out
+    code, _, err = run(capsys, "build", "-n", CI_SMALL, "--arch", "sm100a")
+    assert code == 1 and has(err, "--arch sm100a: the spec has no kernel for it (its targets: sm80, sm90, sm90a)")
+    code, _, err = run(capsys, "build", "-n", CI_SMALL, "--arch", "sm90,hopper")
+    assert code == 1 and has(err, "--arch sm90,hopper: hopper not a target")
+
+
 def test_dry_run_reports_what_a_product_skips(tmp_path, capsys):
     spec = write_spec(tmp_path, "fa_version: 2, arch: [sm90, sm90a], dtype: bf16, head_dim: [64, 512]")
     code, out, _ = run(capsys, "build", "-n", spec)

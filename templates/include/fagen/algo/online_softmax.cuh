@@ -92,6 +92,21 @@ __device__ __forceinline__ float operand_rounding(float top, float scale_log2, f
 // What a finished row's output is multiplied by: 1 / sum, and 0 for a row that saw no key.
 __device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
+// An attention sink (a logit of `sink_log2`, base 2, scaled units) beside a row's keys, whose
+// exponents were taken against `keys_top` and sum to `sum`: both terms against the larger of the
+// two (`top`), so that neither overflows; an empty row (sum 0, its reference a placeholder) is
+// the sink alone. The row's LSE is then natural_lse(top, sum * keys + sink).
+struct SinkTerm {
+    float top;   // the common reference
+    float keys;  // what the keys' sum (and O) are multiplied by: exp2(keys_top - top)
+    float sink;  // the sink's term: exp2(sink_log2 - top)
+};
+
+__device__ __forceinline__ SinkTerm sink_term(float sum, float keys_top, float sink_log2) {
+    const float top = sum == 0.f ? sink_log2 : fmaxf(keys_top, sink_log2);
+    return {top, sum == 0.f ? 0.f : ptx::ex2_approx_ftz(keys_top - top), ptx::ex2_approx_ftz(sink_log2 - top)};
+}
+
 // kM row-pair tiles -> 2*kM rows per thread.
 // Ops: the P operand's element operations (algo/element.cuh: round).
 template <int kM, class Ops, class Options = DefaultSoftmaxOptions, bool kSumInOutput = false>
@@ -193,8 +208,7 @@ struct OnlineSoftmax {
     // Normalizes `out` by the row sums and returns each row's natural-log LSE in `lse`.
     // Rows that saw no key get 0 output and LSE = -inf (with a sink: the sink's logit).
     // kSink: the head's attention sink, a logit of `sink_log2` (base 2, scaled units) that joins
-    // every row's denominator and adds nothing to O (gpt-oss's sinks): both terms are taken
-    // against the larger of the row's reference and the sink, so neither overflows.
+    // every row's denominator and adds nothing to O (gpt-oss's sinks; sink_term).
     template <bool kSink = false, int kNO>
     __device__ __forceinline__ void finalize(float (&out)[kM][kNO][4], float (&lse)[kM][2],
                                              float scale_log2, float sink_log2 = 0.f) {
@@ -203,7 +217,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 // Both columns of the sum tile a thread holds carry its row's sum.
-                float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
+                const float sum = kSumInOutput ? out[m][kNO - 1][2 * h] : quad_sum(row_sum[m][h]);
                 float divisor = sum;
                 if constexpr (kCorrectEachBlock) {
                     divisor += row_rounding[m][h];
@@ -213,14 +227,9 @@ struct OnlineSoftmax {
                 }
                 float inv;
                 if constexpr (kSink) {
-                    // An empty row's reference is a placeholder: the sink alone.
-                    const float keys_top = reference_scaled(row_max[m][h], scale_log2);
-                    const float top = sum == 0.f ? sink_log2 : fmaxf(keys_top, sink_log2);
-                    const float keys = sum == 0.f ? 0.f : ptx::ex2_approx_ftz(keys_top - top);
-                    const float sink = ptx::ex2_approx_ftz(sink_log2 - top);
-                    sum = fmaf(sum, keys, sink);
-                    inv = keys / fmaf(divisor, keys, sink);
-                    lse[m][h] = natural_lse(top, sum);
+                    const SinkTerm t = sink_term(sum, reference_scaled(row_max[m][h], scale_log2), sink_log2);
+                    inv = t.keys / fmaf(divisor, t.keys, t.sink);
+                    lse[m][h] = natural_lse(t.top, fmaf(sum, t.keys, t.sink));
                 } else {
                     inv = inverse_row_sum(divisor);
                     lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);

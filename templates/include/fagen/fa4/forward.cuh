@@ -43,6 +43,7 @@
 
 #include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/mask.cuh"
+#include "fagen/algo/score.cuh"
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
@@ -228,6 +229,7 @@ struct Forward {
         // The full and causal masks only (fagen/spec/fa4.py: a window's left edge spilled).
         static_assert(!Mask::kLeftEdge);
         const int key_end = mask.key_end(w.row_begin + row);
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
         float reference = algo::neg_inf();
         float row_sum = 0.f;
         float row_rounding = 0.f;  // round16(P) - P of each block's largest P (algo/online_softmax.cuh)
@@ -250,6 +252,10 @@ struct Forward {
             }
 
             const int n_block = w.n_block(j);
+            if constexpr (!decltype(score)::kIdentity) {
+#pragma unroll
+                for (int c = 0; c < kBlockN; ++c) scores[c] = score.modify(scores[c], w.row_begin + row, n_block * kBlockN + c);
+            }
             if (mask.block_needs_mask(n_block, w.row_begin, kBlockM, kBlockN)) {
 #pragma unroll
                 for (int c = 0; c < kBlockN; ++c) {
@@ -289,11 +295,23 @@ struct Forward {
             ptx::mbarrier_arrive(s.barrier(kPFull0 + buffer));
         }
 
-        store_shared_f32(s.row_sum() + row * 4, row_sum + row_rounding);  // what O is divided by
+        // What O is divided by; with a sink also its term against the keys' reference (O / (l +
+        // 2^(sink - m2)) = O keys / (l keys + sink), algo::sink_term; inf where the sink takes
+        // the whole row: O = 0).
+        float divisor = row_sum + row_rounding;
+        float row_lse = algo::row_lse(reference, row_sum, prm.scale_log2);
+        if constexpr (Config::kSinks) {
+            const float sink_log2 = algo::head_sink_log2(prm, w.head);
+            const float keys_top = algo::reference_scaled(reference, prm.scale_log2);
+            const algo::SinkTerm t = algo::sink_term(row_sum, keys_top, sink_log2);
+            divisor += ptx::ex2_approx_ftz(sink_log2 - keys_top);
+            row_lse = algo::natural_lse(t.top, fmaf(row_sum, t.keys, t.sink));
+        }
+        store_shared_f32(s.row_sum() + row * 4, divisor);
         ptx::mbarrier_arrive(s.barrier(kStatsFull));
         const int rows_valid = prm.seqlen_q - w.row_begin;
         float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
-        if (lse != nullptr && row < rows_valid) lse[row] = algo::row_lse(reference, row_sum, prm.scale_log2);
+        if (lse != nullptr && row < rows_valid) lse[row] = row_lse;
     }
 
     // ---------------------------------------------------------------- correction warps
@@ -383,7 +401,7 @@ struct Forward {
         algo::write_empty_rows<Element, kBlockM, kHeadDim, Config::kThreads>(
             algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
             algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin,
-            threadIdx.x);
+            threadIdx.x, Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
     }
 
     // ---------------------------------------------------------------- entry
