@@ -72,15 +72,29 @@ LEARNED_LOSS = 0.1  # a first step below it: the lookup is (nearly) learned
 NOISE_FACTOR = 3.0  # fagen's mean distance from SDPA is "within noise" up to this many times the
 #                     largest one of the references that differ from SDPA only in rounding (at
 #                     reduced scale two such references' distances differed by up to 6x)
-IMPLEMENTATIONS = ["fagen", "sdpa", "sdpa-efficient", "eager"]
+IMPLEMENTATIONS = ["fagen", "sdpa", "sdpa-efficient", "eager", "flex_attention"]
+# --family: the model's attention. llama: plain causal; gemma2: softcap 50 on every layer, a
+# sliding window of 256 on every other, head_dim 128; gpt_oss: a learned sink per head on every
+# layer, a window of 128 on every other, head_dim 64 (4 experts, 2 per token). transformers has
+# no SDPA path for the last two (softcap, sinks): their references are eager attention and
+# flex_attention (a second implementation that differs only in rounding).
+FAMILIES = ("llama", "gemma2", "gpt_oss")
+DEFAULT_RUNS = {"llama": ["fagen", "sdpa", "sdpa-efficient", "sdpa"],
+                "gemma2": ["fagen", "eager", "flex_attention"],
+                "gpt_oss": ["fagen", "eager", "flex_attention"]}
 CUDA_ONLY = {"fagen", "sdpa-efficient"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attn", nargs="+", choices=IMPLEMENTATIONS,
-                   help="attention implementations to train with, in turn; one may repeat "
-                        "(default: fagen sdpa sdpa-efficient sdpa; on --device cpu: sdpa eager)")
+                   help="attention implementations to train with, in turn; one may repeat; the "
+                        "first one that is not fagen is the reference the others are measured "
+                        "from (default: fagen sdpa sdpa-efficient sdpa, for gemma2 and gpt_oss "
+                        "fagen eager flex_attention; on --device cpu: sdpa eager)")
+    p.add_argument("--family", choices=FAMILIES, default="llama",
+                   help="the model's attention: llama (causal), gemma2 (softcap, sliding window), "
+                        "gpt_oss (sinks, sliding window)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the task and the loop, sdpa and eager only")
     p.add_argument("--steps", type=int, default=1000)
@@ -95,8 +109,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--png", metavar="PATH", help="plot the loss curves here (matplotlib)")
     args = p.parse_args()
     if args.attn is None:
-        args.attn = (["sdpa", "eager"] if args.device == "cpu"
-                     else ["fagen", "sdpa", "sdpa-efficient", "sdpa"])
+        args.attn = ["sdpa", "eager"] if args.device == "cpu" else DEFAULT_RUNS[args.family]
     if args.device == "cpu" and CUDA_ONLY & set(args.attn):
         p.error("--device cpu runs sdpa and eager only, not "
                 + " ".join(sorted(CUDA_ONLY & set(args.attn))))
@@ -177,14 +190,21 @@ def register_sdpa_efficient() -> None:
 
 
 def make_model(args, attn: str, device):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    import transformers
 
-    config = LlamaConfig(
-        vocab_size=vocab_size(args), hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, intermediate_size=1376, max_position_embeddings=args.seqlen,
-        attention_dropout=0.0, tie_word_embeddings=False)
+    sizes = dict(vocab_size=vocab_size(args), hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=1376, max_position_embeddings=args.seqlen,
+                 attention_dropout=0.0, tie_word_embeddings=False)
+    if args.family == "gemma2":
+        config = transformers.Gemma2Config(**sizes, head_dim=128, query_pre_attn_scalar=128, sliding_window=256,
+                                           attn_logit_softcapping=50.0, final_logit_softcapping=None)
+    elif args.family == "gpt_oss":
+        config = transformers.GptOssConfig(**sizes, head_dim=64, sliding_window=128, num_local_experts=4,
+                                           num_experts_per_tok=2)
+    else:
+        config = transformers.LlamaConfig(**sizes)
     torch.manual_seed(args.seed)  # the same initial weights for every implementation
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(device)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(device)
 
 
 def answer_loss(model, tokens: torch.Tensor, supervised: torch.Tensor):
@@ -250,15 +270,21 @@ def smoothed(losses: list[float]) -> list[float]:
     return [statistics.fmean(losses[i:i + SMOOTHING]) for i in range(0, len(losses), SMOOTHING)]
 
 
+def reference_run(runs: dict) -> str | None:
+    """The run the others are measured from: the first that is not fagen's."""
+    return next((label for label in runs if label.split("#")[0] != "fagen"), None)
+
+
 def distances(runs: dict) -> dict:
-    """Each run's distance from the first SDPA run: max |loss - loss_sdpa| over the steps and
+    """Each run's distance from the reference run: max |loss - loss_reference| over the steps and
     the mean |difference| of the curves averaged over SMOOTHING steps."""
-    if "sdpa" not in runs:
+    base = reference_run(runs)
+    if base is None:
         return {}
-    reference = runs["sdpa"]["loss"]
+    reference = runs[base]["loss"]
     result = {}
     for label, run in runs.items():
-        if label == "sdpa":
+        if label == base:
             continue
         diffs = [abs(x - y) for x, y in zip(run["loss"], reference)]
         smooth = [abs(x - y) for x, y in zip(smoothed(run["loss"]), smoothed(reference))]
@@ -297,13 +323,14 @@ def summarize(runs: dict, args) -> dict:
           f"up {unasked:.3f}; the lookup learned 0)")
     result = distances(runs)
     for label, d in result.items():
-        print(f"{label} vs sdpa: max |loss difference| {d['max_abs_loss_diff']:.4g} (step "
+        print(f"{label} vs {reference_run(runs)}: max |loss difference| {d['max_abs_loss_diff']:.4g} (step "
               f"{d['at_step']}), mean over {SMOOTHING}-step averages {d['mean_abs_smoothed_diff']:.4g}")
     v = verdict(result)
     if v:
         learned = all(run["accuracy"] >= 0.99 for run in runs.values())
-        print(f"verdict: fagen vs sdpa: mean distance {v['fagen']:.4g}, noise ({v['noise_run']} vs "
-              f"sdpa): {v['noise']:.4g}, ratio {v['ratio']:.2f}: "
+        base = reference_run(runs)
+        print(f"verdict: fagen vs {base}: mean distance {v['fagen']:.4g}, noise ({v['noise_run']} vs "
+              f"{base}): {v['noise']:.4g}, ratio {v['ratio']:.2f}: "
               f"{'within' if v['within_noise'] else 'OUTSIDE'} noise (up to {NOISE_FACTOR:g}x); "
               f"{'every run learned the lookup' if learned else 'NOT every run learned the lookup'}"
               f" (held-out accuracy >= 99%)")
@@ -364,10 +391,11 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": name, "torch": torch.__version__,
                        "transformers": transformers.__version__, "vocab": vocab_size(args),
-                       "runs": runs, "distance_from_sdpa": distance}, f, indent=1)
+                       "runs": runs, "reference": reference_run(runs), "distance_from_reference": distance},
+                      f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
-        plot(runs, args.png, f"Llama-style model, key-value lookup, batch {args.batch} x seqlen "
+        plot(runs, args.png, f"{args.family} model, key-value lookup, batch {args.batch} x seqlen "
                              f"{args.seqlen}, bf16 autocast")
     return 0
 
