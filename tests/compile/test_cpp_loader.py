@@ -225,6 +225,23 @@ def test_cpp_score_scale_rule_matches_python(open_bundle, scale, softcap):
     assert result.stdout.strip().split(":")[0] == expected
 
 
+@pytest.mark.parametrize("data, strides, tma", [
+    (4096, (8192, 64, 16), False), (0, (8, 8, 8), False), (4104, (8, 8, 8), False), (4096, (12, 8, 8), False),
+    (4096, (-8, 8, 8), False), (4096, (0, 64, 8), False), (4096, (0, 64, 8), True), (4096, (64, 0, 8), True),
+])
+def test_cpp_tensor_rule_matches_python(open_bundle, data, strides, tma):
+    from fagen.runtime.call import AttentionError, Tensor, _check_tensor
+
+    try:
+        _check_tensor("t", Tensor(data, *strides), tma)
+        expected = "ok"
+    except AttentionError as exc:
+        expected = f"error: fagen: {exc}"
+    result = run(open_bundle, "--tensor", data, *strides, int(tma))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
 @pytest.mark.parametrize("mods", ((), ("softcap",), ("alibi", "sinks"), contract.SCORE_MODS))
 @pytest.mark.parametrize("mask", contract.MASKS)
 def test_cpp_key_matches_python(open_bundle, mask, mods):

@@ -499,6 +499,26 @@ struct Strides {
     }
 };
 
+// The rules of params.h for one tensor, as fagen/runtime/call.py's _check_tensor (the same
+// results and messages; tests/compile/test_cpp_loader.py holds them to each other): a non-null,
+// 16-byte aligned pointer; strides that are non-negative multiples of 8 elements; a tensor map
+// (a TMA kernel's input) cannot describe a broadcast (stride 0) dimension.
+inline Status tensor_status(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
+    if (data == 0 || data % FAGEN_ALIGNMENT_BYTES != 0) {
+        return Status::error(std::string("fagen: ") + name + " must be a non-null, " +
+                             std::to_string(FAGEN_ALIGNMENT_BYTES) + "-byte aligned device pointer");
+    }
+    for (long long stride : {s.batch, s.row, s.head}) {
+        if (stride % FAGEN_STRIDE_MULTIPLE != 0 || stride < 0 || (tma && stride == 0)) {
+            return Status::error(std::string("fagen: ") + name + " strides (" + std::to_string(s.batch) + ", " +
+                                 std::to_string(s.row) + ", " + std::to_string(s.head) + ") must be multiples of " +
+                                 std::to_string(FAGEN_STRIDE_MULTIPLE) + " elements" +
+                                 (tma ? " and non-zero (TMA kernel)" : ""));
+        }
+    }
+    return Status();
+}
+
 // One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k and v
 // (batch, seqlen_k, heads_kv, head_dim), out like q, optional lse (batch, heads_q, seqlen_q)
 // fp32, all device pointers. Strides default to contiguous. `causal` masks bottom-right aligned
@@ -1046,22 +1066,8 @@ private:
         p.sinks = reinterpret_cast<const float*>(a.sinks);
     }
 
-    // The rules of params.h: last dim contiguous, 16-byte aligned rows (strides multiples of 8
-    // elements); a tensor map cannot describe a broadcast (stride 0) dimension.
     static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
-        if (data == 0 || data % FAGEN_ALIGNMENT_BYTES != 0) {
-            return Status::error(std::string("fagen: ") + name + " must be a non-null, " +
-                                 std::to_string(FAGEN_ALIGNMENT_BYTES) + "-byte aligned device pointer");
-        }
-        for (long long stride : {s.batch, s.row, s.head}) {
-            if (stride % FAGEN_STRIDE_MULTIPLE != 0 || stride < 0 || (tma && stride == 0)) {
-                return Status::error(std::string("fagen: ") + name + " strides (" + std::to_string(s.batch) + ", " +
-                                     std::to_string(s.row) + ", " + std::to_string(s.head) + ") must be multiples of " +
-                                     std::to_string(FAGEN_STRIDE_MULTIPLE) + " elements" +
-                                     (tma ? " and non-zero (TMA kernel)" : ""));
-            }
-        }
-        return Status();
+        return tensor_status(name, data, s, tma);
     }
 
     // A tiled TMA map over the 4-D tensor (head_dim, seqlen, heads, batch), innermost first:

@@ -10,6 +10,8 @@
 //                                       print kernel_score_scale's two values (%.9g) or its error
 //   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS
 //                                       print kernel_key of variant_name(MASK, ...)
+//   open_bundle --tensor DATA BATCH_STRIDE ROW_STRIDE HEAD_STRIDE TMA
+//                                       print "ok" or tensor_status's error for a tensor "t"
 //   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
 //                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
 //                                       its error
@@ -46,6 +48,13 @@ int main(int argc, char** argv) {
         } else {
             std::printf("%.9g %.9g\n", static_cast<double>(s.value().scale_log2), static_cast<double>(s.value().softcap_scale));
         }
+        return 0;
+    }
+    if (argc == 7 && std::strcmp(argv[1], "--tensor") == 0) {
+        const fagen::Strides strides{std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5])};
+        const fagen::Status s = fagen::tensor_status("t", static_cast<CUdeviceptr>(std::strtoull(argv[2], nullptr, 10)),
+                                                     strides, std::atoi(argv[6]) != 0);
+        std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
         return 0;
     }
     if (argc == 9 && std::strcmp(argv[1], "--key") == 0) {
