@@ -86,19 +86,31 @@ class ModelStats:
     visited_blocks: list[int] = field(default_factory=list)
 
 
+def softcap_tanh(x: np.ndarray) -> np.ndarray:
+    """algo::softcap_tanh in fp32: 1 - 2 / (1 + 2^(2 x log2 e)), the exponent clamped at 64."""
+    e = np.exp2(np.minimum((x * np.float32(2 * np.log2(np.e))).astype(np.float32), np.float32(64)))
+    return (np.float32(1) - np.float32(2) / (np.float32(1) + e)).astype(np.float32)
+
+
 def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float | None = None,
                 exp2_period: int = 0, rescale_threshold: float | None = None,
-                coeffs: np.ndarray | None = None, stats: ModelStats | None = None):
+                coeffs: np.ndarray | None = None, stats: ModelStats | None = None,
+                softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None):
     """O (seqlen_q, head_dim) and natural-log LSE (seqlen_q,) of one head, as the kernel computes.
 
-    q, k, v hold values already representable in `dtype` (fp32 arrays).
+    q, k, v hold values already representable in `dtype` (fp32 arrays). The score modifiers as
+    algo/score.cuh applies them (softcap: u = tanh(s softmax_scale / softcap) with scale_log2 =
+    softcap log2 e; ALiBi: the slope in u's units times the distance), the sink as the softmax
+    warps' end does (algo::sink_term).
     """
     coeffs = fit_exp2_polynomial() if coeffs is None else coeffs
     stats = ModelStats() if stats is None else stats
     seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    scale_log2 = np.float32(scale * np.log2(np.e))
+    scale_log2 = np.float32((softcap if softcap > 0 else scale) * np.log2(np.e))
+    softcap_scale = np.float32(scale / softcap) if softcap > 0 else None
+    slope_units = None if alibi_slope is None else np.float32(alibi_slope * (np.log2(np.e) / scale_log2))
     offset = seqlen_k - seqlen_q
     out = np.zeros((seqlen_q, head_dim), dtype=np.float32)
     lse = np.full(seqlen_q, -np.inf, dtype=np.float32)
@@ -122,6 +134,11 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             valid = cols < seqlen_k
             k_blk[valid], v_blk[valid] = k[cols[valid]], v[cols[valid]]
             scores = (q[rows] @ k_blk.T).astype(np.float32)
+            if softcap_scale is not None:
+                scores = softcap_tanh((scores * softcap_scale).astype(np.float32))
+            if slope_units is not None:
+                distance = np.abs(rows[:, None] + offset - cols[None, :]).astype(np.float32)
+                scores = (scores - slope_units * distance).astype(np.float32)
             scores[cols[None, :] >= key_end[:, None]] = -np.inf
             block_max = np.maximum(reference, scores.max(axis=1))
             reference, rescale = next_reference_max(reference, block_max, scale_log2,
@@ -133,12 +150,26 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             row_sum = (row_sum * rescale + probs.sum(axis=1, dtype=np.float32)).astype(np.float32)
             acc = (acc * rescale[:, None]).astype(np.float32)  # the correction warps
             acc = (acc + round_to(probs, dtype) @ v_blk).astype(np.float32)
-        inv = np.where(row_sum == 0, np.float32(0), 1.0 / np.where(row_sum == 0, 1, row_sum))
-        out[rows] = round_to(acc * inv[:, None].astype(np.float32), dtype)
+        keys_top = np.where(reference == -np.inf, np.float32(0), reference * scale_log2).astype(np.float32)
+        divisor = row_sum
         with np.errstate(divide="ignore"):
-            lse_rows = (np.where(reference == -np.inf, 0, reference * scale_log2)
-                        + np.log2(row_sum)) * np.log(2)
-        lse[rows] = np.where(row_sum == 0, -np.inf, lse_rows)
+            lse_rows = np.where(row_sum == 0, -np.inf, (keys_top + np.log2(row_sum)) * np.log(2))
+        if sink is not None:  # the divisor l + 2^(sink - m2); the LSE against the larger reference
+            sink_log2 = np.float32(sink * np.log2(np.e))
+            with np.errstate(over="ignore"):
+                divisor = (row_sum + np.exp2(sink_log2 - keys_top)).astype(np.float32)
+            top = np.where(row_sum == 0, sink_log2, np.maximum(keys_top, sink_log2))
+            keys = np.where(row_sum == 0, 0, np.exp2(keys_top - top))
+            lse_rows = (top + np.log2(row_sum * keys + np.exp2(sink_log2 - top))) * np.log(2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(divisor == 0, np.float32(0), np.float32(1) / divisor)
+        out[rows] = round_to(acc * inv[:, None].astype(np.float32), dtype)
+        lse[rows] = lse_rows
+    if sink is not None:  # rows that see no key (write_empty_rows): the sink alone
+        for row_begin in range(0, seqlen_q, BLOCK_M):
+            keys = min(seqlen_k, row_begin + BLOCK_M + offset) if causal else seqlen_k
+            if keys <= 0:
+                lse[row_begin:row_begin + BLOCK_M] = np.float32(sink)
     return out, lse
 
 
@@ -158,16 +189,33 @@ def next_reference_max(reference, block_max, scale_log2, threshold, stats):
             np.where(move, factor, np.float32(1)).astype(np.float32))
 
 
-def reference_attention(q, k, v, *, causal: bool, scale: float | None = None):
-    """fp64 attention with bottom-right causal alignment; rows that see no key give 0, -inf."""
+def modified_scores(scores, *, softcap: float = 0.0, alibi_slope: float | None = None):
+    """flash-attn's score modifiers on scaled scores (seqlen_q, seqlen_k), in their dtype."""
+    if softcap > 0:
+        scores = softcap * np.tanh(scores / softcap)
+    if alibi_slope is not None:
+        seqlen_q, seqlen_k = scores.shape
+        distance = np.abs(np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+        scores = scores - alibi_slope * distance.astype(scores.dtype)
+    return scores
+
+
+def reference_attention(q, k, v, *, causal: bool, scale: float | None = None, softcap: float = 0.0,
+                        alibi_slope: float | None = None, sink: float | None = None):
+    """fp64 attention with bottom-right causal alignment and flash-attn's score modifiers (the
+    sink a logit in every row's denominator); rows that see no key give 0 and -inf (the sink
+    with one)."""
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    scores = scale * (q @ k.T)
+    scores = modified_scores(scale * (q @ k.T), softcap=softcap, alibi_slope=alibi_slope)
     if causal:
         visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
         scores = np.where(visible, scores, -np.inf)
+    if sink is not None:
+        scores = np.concatenate([scores, np.full((seqlen_q, 1), float(sink))], axis=1)
+        v = np.concatenate([v, np.zeros((1, head_dim))], axis=0)
     row_max = scores.max(axis=1, keepdims=True)
     empty = ~np.isfinite(row_max[:, 0])
     weights = np.exp(scores - np.where(empty[:, None], 0, row_max))
@@ -178,15 +226,20 @@ def reference_attention(q, k, v, *, causal: bool, scale: float | None = None):
     return out, lse
 
 
-def low_precision_attention(q, k, v, *, causal: bool, dtype: str, scale: float | None = None):
+def low_precision_attention(q, k, v, *, causal: bool, dtype: str, scale: float | None = None,
+                            softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None):
     """Plain attention with every intermediate rounded to `dtype` (the 2x error baseline)."""
     seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     scores = round_to(round_to(q @ k.T, dtype) * np.float32(scale), dtype)
+    scores = round_to(modified_scores(scores, softcap=softcap, alibi_slope=alibi_slope), dtype)
     if causal:
         visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
         scores = np.where(visible, scores, -np.inf)
+    if sink is not None:
+        scores = np.concatenate([scores, np.full((seqlen_q, 1), round_to(np.float32(sink), dtype))], axis=1)
+        v = np.concatenate([v, np.zeros((1, head_dim), dtype=np.float32)], axis=0)
     row_max = scores.max(axis=1, keepdims=True)
     empty = ~np.isfinite(row_max[:, 0])
     weights = np.exp(scores - np.where(empty[:, None], 0, row_max)).astype(np.float32)

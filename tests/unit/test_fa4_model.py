@@ -130,3 +130,29 @@ def test_threshold_zero_equals_always_rescaling(coeffs):
     b, lb = fa4_forward(q, k, v, causal=True, block_n=64, dtype="fp16", coeffs=coeffs,
                         rescale_threshold=0.0)
     assert np.array_equal(a, b) and np.allclose(la, lb)
+
+
+MODIFIERS = {  # the score modifiers as flash_attn_func takes them (one head)
+    "softcap": dict(softcap=30.0), "alibi": dict(alibi_slope=0.0625), "sink+": dict(sink=6.0),
+    "sink-": dict(sink=-6.0), "all": dict(softcap=30.0, alibi_slope=0.0625, sink=2.0),
+}
+
+
+@pytest.mark.parametrize("modifier", MODIFIERS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}k{}d{}{}".format(*c[:3], "c" if c[3] else ""))
+def test_score_modifiers_match_fp64_within_twice_low_precision_error(case, modifier, coeffs):
+    """The FA4 forward's softcap, ALiBi and sink arithmetic (the softmax warps' and their end's),
+    with scores large enough (inputs x4) that the cap bends them."""
+    seqlen_q, seqlen_k, head_dim, causal = case
+    mods = MODIFIERS[modifier]
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, "bf16", seed=seqlen_q + 11 * seqlen_k, spread=4.0)
+    out, lse = fa4_forward(q, k, v, causal=causal, block_n=128, dtype="bf16", coeffs=coeffs,
+                           exp2_period=4, rescale_threshold=8.0, **mods)
+    ref, ref_lse = reference_attention(q, k, v, causal=causal, **mods)
+    baseline = low_precision_attention(q, k, v, causal=causal, dtype="bf16", **mods)
+    error, allowed = np.max(np.abs(out - ref)), 2 * np.max(np.abs(baseline - ref)) + ATOL
+    assert error <= allowed, (error, allowed)
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse))
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))  # with a sink no row's LSE is -inf
+    finite = np.isfinite(ref_lse)
+    assert np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0) < 1e-3
