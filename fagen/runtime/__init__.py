@@ -5,9 +5,9 @@ cuda-bindings.
 """
 
 from ..bundle.format import BundleError
-from ..contract import KernelEntry, ScaleError
+from ..contract import KernelEntry, ScaleError, Score, ScoreError
 from .call import (
-    AttentionError, BackwardTensors, PreparedAttention, Problem, Tensor, attention,
+    AttentionError, BackwardTensors, PreparedAttention, Problem, ScoreTensors, Tensor, attention,
     attention_backward, prepare,
 )
 from .driver import DriverError
@@ -15,6 +15,7 @@ from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid, load, run
 
 __all__ = [
     "AttentionError", "BackwardTensors", "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound",
-    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Tensor", "attention", "attention_backward",
+    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Score", "ScoreError", "ScoreTensors", "Tensor",
+    "attention", "attention_backward",
     "launch_grid", "load", "prepare", "runs_on",
 ]

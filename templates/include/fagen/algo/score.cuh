@@ -8,7 +8,7 @@
 // its LSE are unchanged:
 // - softcap (flash-attn's: scores -> softcap * tanh(softmax_scale * s / softcap)): the host
 //   launches with scale_log2 = softcap * log2(e) and softcap_scale = softmax_scale / softcap
-//   (fagen/contract.py: kernel_score), and u = tanh(softcap_scale * s). The capped score's
+//   (fagen/contract.py: kernel_score_scale), and u = tanh(softcap_scale * s). The capped score's
 //   derivative is softmax_scale * (1 - u^2); the backward applies softmax_scale to dQ and dK
 //   anyway, so it multiplies each dS by 1 - u^2 (modify's `dsoftcap`).
 // - ALiBi (flash-attn's: -slope * |i + seqlen_k - seqlen_q - j| added to the scaled score): u =
