@@ -165,21 +165,14 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
             contenders[name] = (_timed(direction, sdpa_attention, q, k, v, dout, backend), backend)
         except RuntimeError as exc:
             row["errors"][name] = str(exc).splitlines()[0]
-    names = list(contenders)
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name in row["errors"]:
-                continue
-            fn, backend = contenders[name]
-            try:
-                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                    ms = median_ms(fn)
-            except (RuntimeError, KernelNotFound) as exc:
-                row["errors"][name] = str(exc).splitlines()[0]
-                row["samples_ms"].pop(name, None)
-                continue
-            row["samples_ms"].setdefault(name, []).append(ms)
+    def in_context(fn, backend):
+        def timed():
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                return median_ms(fn)
+        return timed
+
+    row["samples_ms"] = rotating_samples({name: in_context(*c) for name, c in contenders.items()}, repeats,
+                                         row["errors"])
     for name, samples in row["samples_ms"].items():
         row["ms"][name] = statistics.median(samples)
         row["tflops"][name] = tflops(flops, row["ms"][name])
@@ -188,6 +181,25 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
         ratios = [c / f for f, c in zip(ours, theirs)]  # time ratio = TFLOP/s ratio fagen/cuDNN
         row["ratio_cudnn_range"] = [min(ratios), max(ratios)]
     return row
+
+
+def rotating_samples(contenders: dict, repeats: int, errors: dict) -> dict[str, list[float]]:
+    """name -> the times (ms) its function returned, one per round, the rounds in rotating order
+    (the first contender of one round goes last in the next); a contender already in `errors`
+    is left out, one that raises is recorded there and dropped."""
+    samples: dict[str, list[float]] = {}
+    names = list(contenders)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in errors:
+                continue
+            try:
+                samples.setdefault(name, []).append(contenders[name]())
+            except (RuntimeError, KernelNotFound) as exc:
+                errors[name] = str(exc).splitlines()[0]
+                samples.pop(name, None)
+    return samples
 
 
 def _fmt(value, width=7, digits=0):

@@ -19,6 +19,7 @@ without it (or where it refuses the variant) says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -26,9 +27,10 @@ import sys
 import torch
 
 from bench import cuda_missing
-from bench.attention import DIRECTION_FLOPS, HIDDEN, TOTAL_TOKENS, _int_list, median_ms, tflops
+from bench.attention import (DIRECTION_FLOPS, HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples,
+                             tflops)
 from bench.window import visible_pairs
-from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
+from fagen.torch import flash_attn_func, get_bundle
 
 # variant: (head dims, the windows (left sizes; None: causal without one), the call's options)
 VARIANTS = {
@@ -100,17 +102,8 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
         except Exception as exc:  # the DSL's compile errors are of its own types
             row["errors"]["FA4"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             contenders.pop("FA4", None)
-    samples: dict[str, list[float]] = {}
-    names = list(contenders)
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name in row["errors"]:
-                continue
-            try:
-                samples.setdefault(name, []).append(median_ms(contenders[name]))
-            except (RuntimeError, KernelNotFound) as exc:
-                row["errors"][name] = str(exc).splitlines()[0]
+    samples = rotating_samples({name: functools.partial(median_ms, fn) for name, fn in contenders.items()},
+                               repeats, row["errors"])
     row["ms"] = {name: statistics.median(s) for name, s in samples.items() if s}
     pairs = batch * heads * visible_pairs(seqlen, seqlen if window is None else window)
     row["tflops"] = {name: tflops(4.0 * head_dim * pairs * DIRECTION_FLOPS[direction], ms)

@@ -18,6 +18,7 @@ issue's bar is window time <= 1.2x dense time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -25,8 +26,8 @@ import sys
 import torch
 
 from bench import cuda_missing
-from bench.attention import DIRECTION_FLOPS, HIDDEN, _int_list, median_ms, tflops
-from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
+from bench.attention import DIRECTION_FLOPS, HIDDEN, _int_list, median_ms, rotating_samples, tflops
+from fagen.torch import flash_attn_func, get_bundle
 
 TOKENS = 32768
 
@@ -92,15 +93,8 @@ def measure(head_dim: int, seqlen: int, left: int, bundle, direction: str, repea
         row["max_abs_diff_vs_FA2"] = (ours.float() - reference.float()).abs().max().item()
     except (RuntimeError, TypeError) as exc:
         row["errors"]["FA2"] = str(exc).splitlines()[0]
-    samples: dict[str, list[float]] = {}
-    names = list(contenders)
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            try:
-                samples.setdefault(name, []).append(median_ms(contenders[name]))
-            except (RuntimeError, KernelNotFound) as exc:
-                row["errors"][name] = str(exc).splitlines()[0]
+    samples = rotating_samples({name: functools.partial(median_ms, fn) for name, fn in contenders.items()},
+                               repeats, row["errors"])
     row["ms"] = {name: statistics.median(s) for name, s in samples.items() if s}
     dense_pairs = batch * heads * seqlen * (left + 1)
     flops = {"fagen": pairs, "FA2": pairs, "dense": dense_pairs}
