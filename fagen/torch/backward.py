@@ -64,7 +64,7 @@ def _flash_attn_bwd(
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
-        arrays, kept = _score_arrays(alibi_slopes, learnable_sink)
+        arrays, _copies = _score_arrays(alibi_slopes, learnable_sink)  # alive until the launch is enqueued
         if learnable_sink is not None:
             arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
         runtime_call.attention_backward(
@@ -72,7 +72,6 @@ def _flash_attn_bwd(
             semaphores=0 if semaphores is None else semaphores.data_ptr(),
             softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
             entry=entry, score_tensors=arrays)
-        del kept  # the fp32 copies the launch read, freed once the stream is done with them
     return dq, dk, dv, dsink
 
 

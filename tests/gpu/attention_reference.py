@@ -105,6 +105,11 @@ class Mods:
 NO_MODS = Mods()
 
 
+def geometric_alibi_slopes(heads: int, device) -> torch.Tensor:
+    """ALiBi's slopes for `heads` heads: 2^(-8 (i + 1) / heads), fp32."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
 def heads_first(q, k, v, dtype):
     """q, k, v as (batch, heads_q, seqlen, d) in `dtype`, K/V repeated over their query heads."""
     group = q.shape[2] // k.shape[2]

@@ -33,7 +33,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import Mods, failures_of, forward_errors, gradient_errors  # noqa: E402
+from attention_reference import (  # noqa: E402
+    Mods, failures_of, forward_errors, geometric_alibi_slopes, gradient_errors,
+)
 from test_fa2_fwd import DTYPE_BY_NAME, poison_allocator  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
@@ -150,8 +152,7 @@ def score_mods(case: Case, heads_q: int, gen: torch.Generator) -> Mods:
     alibi = sink = None
     if "alibi" in mods:
         shape = (case.batch, heads_q) if case.seed % 2 else (heads_q,)
-        geometric = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads_q) for i in range(heads_q)], device="cuda")
-        alibi = geometric * (0.5 + torch.rand(shape, generator=gen, device="cuda"))
+        alibi = geometric_alibi_slopes(heads_q, "cuda") * (0.5 + torch.rand(shape, generator=gen, device="cuda"))
     if "sinks" in mods:
         sink = torch.randn(heads_q, generator=gen, device="cuda") * 3 * case.magnitude ** 2
     return Mods(softcap=case.softcap, alibi=alibi, sink=sink)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import NO_MODS, Mods, forward_failures  # noqa: E402
+from attention_reference import NO_MODS, Mods, forward_failures, geometric_alibi_slopes  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime.loader import runs_on  # noqa: E402
 from fagen.torch import KernelNotFound, flash_attn_func  # noqa: E402
@@ -140,8 +140,7 @@ def entry_call(entry, batch, heads_q):
     window = EVERY_KERNEL_WINDOW if key.mask == "local" else (-1, -1)
     mods = Mods(
         softcap=30.0 if "softcap" in key.mods else 0.0,
-        alibi=(torch.tensor([2.0 ** (-8.0 * (i + 1) / heads_q) for i in range(heads_q)], device="cuda")
-               if "alibi" in key.mods else None),
+        alibi=geometric_alibi_slopes(heads_q, "cuda") if "alibi" in key.mods else None,
         sink=(torch.tensor([(-1.0) ** i * (2.0 + i) for i in range(heads_q)], device="cuda")
               if "sinks" in key.mods else None))
     options = dict(softcap=mods.softcap, alibi_slopes=mods.alibi, learnable_sink=mods.sink)

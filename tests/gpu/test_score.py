@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attention_reference import Mods, forward_failures, gradient_failures  # noqa: E402
-from test_fa2_fwd import DTYPE_BY_NAME, poison_allocator  # noqa: E402
+from attention_reference import Mods, forward_failures, geometric_alibi_slopes, gradient_failures  # noqa: E402
+from test_fa2_fwd import poison_allocator, require_kernel  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
@@ -32,7 +32,7 @@ SIZE_IDS = ["x".join(map(str, s)) for s in SIZES]
 
 def alibi_slopes(batch, heads, per_batch, device):
     """ALiBi's geometric slopes 2^(-8 i / heads), and per batch scaled by 1 + batch / 4."""
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+    slopes = geometric_alibi_slopes(heads, device)
     if per_batch:
         slopes = slopes[None, :] * (1 + torch.arange(batch, device=device)[:, None] / 4)
     return slopes
@@ -63,12 +63,7 @@ def mod_names(mods: Mods) -> tuple[str, ...]:
 
 def require_kernels(bundle, dtype, head_dim, mask_kind, mods):
     for direction in ("fwd", "bwd"):
-        key = contract.kernel_key(direction, {v: k for k, v in DTYPE_BY_NAME.items()}[dtype], head_dim,
-                                  mask_kind, mod_names(mods))
-        try:
-            bundle.select(key, torch.cuda.get_device_capability())
-        except KernelNotFound as exc:
-            pytest.skip(f"bundle has no {key} for this device: {str(exc).splitlines()[0]}")
+        require_kernel(bundle, dtype, head_dim, mask_kind, direction, mod_names(mods))
 
 
 def run_case(bundle, size, mask, kind, head_dim, dtype, magnitude=1.0, deterministic=False):
