@@ -1,15 +1,17 @@
-"""Score modifiers (softcap, attention sinks, ALiBi): fagen's variant kernels against flash-attn-4
-(CuTe DSL, its Hopper path: softcap and learnable_sink, not ALiBi) where it is importable, and
-against fagen's own kernel of the same mask without the modifier (what the modifier costs),
-same process.
+"""Score modifiers (softcap, attention sinks, ALiBi) and split head dims: fagen's variant kernels
+against flash-attn-4 (CuTe DSL, its Hopper path: softcap and learnable_sink, not ALiBi) where it
+is importable and takes the variant, cuDNN (torch's SDPA) for the split head dims, and fagen's
+own kernel of the same mask without the modifier (what the modifier costs), same process.
 
 Protocol as bench.attention (bf16, 16384 tokens per batch, hidden 2048, median of triton's
 do_bench; rounds in rotating order), the model families' shapes: softcap 50 at head dims 128 and
 256 (Gemma-2) causal and with its window of 4096 keys; sinks at head dim 64 (gpt-oss) causal and
-with its window of 128; ALiBi at 128 causal (BLOOM, MPT). FLOPs: 4 * d per visible (query, key)
-pair forward, 2.5x that backward.
+with its window of 128; ALiBi at 128 causal (BLOOM, MPT); q, k of 192 and v of 128 causal
+(split: DeepSeek-V3's prefill). FLOPs per visible (query, key) pair: 2 (d + d_v) forward (Q K^T
+and P V), 6 d + 4 d_v backward (the scores again, dP, dV, dQ, dK): 4 d and 2.5x that where
+d_v = d.
 
-    python -m bench.score [--variants softcap,sinks,alibi,window] [--seqlens 4k,16k]
+    python -m bench.score [--variants softcap,sinks,alibi,window,split] [--seqlens 4k,16k]
                           [--direction fwd|bwd] [--repeats N] [--bundle DIR] [--json PATH]
 
 flash-attn-4 runs with PYTHONPATH and CUTE_DSL_LIBS set as ../shared/BENCHMARKS.md says; a row
@@ -27,8 +29,9 @@ import sys
 import torch
 
 from bench import cuda_missing
-from bench.attention import (DIRECTION_FLOPS, HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples,
-                             tflops)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.attention import HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples, tflops
 from bench.window import visible_pairs
 from fagen.torch import flash_attn_func, get_bundle
 
@@ -38,7 +41,14 @@ VARIANTS = {
     "sinks": ((64,), (None, 127), {"learnable_sink": True}),
     "alibi": ((128,), (None,), {"alibi_slopes": True}),
     "window": ((64, 128), (1023, 4095), {}),  # no modifier: the sliding window alone against FA4
+    "split": ((192,), (None,), {}),  # head_dim 192, head_dim_v SPLIT_HEAD_DIM_V (DeepSeek-V3)
 }
+SPLIT_HEAD_DIM_V = 128
+
+
+def pair_flops(direction: str, head_dim: int, head_dim_v: int) -> float:
+    """FLOPs per visible (query, key) pair (the module's docstring)."""
+    return 2.0 * (head_dim + head_dim_v) if direction == "fwd" else 6.0 * head_dim + 4.0 * head_dim_v
 
 
 def flash_attn_4():
@@ -63,10 +73,11 @@ def options_of(variant: str, heads: int) -> dict:
 def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle, direction: str,
             repeats: int, fa4) -> dict:
     batch, heads = max(1, TOTAL_TOKENS // seqlen), HIDDEN // head_dim
+    head_dim_v = SPLIT_HEAD_DIM_V if variant == "split" else head_dim
     grad = direction != "fwd"
-    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-               for _ in range(3))
-    dout = torch.randn_like(q)
+    q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for dim in (head_dim, head_dim, head_dim_v))
+    dout = torch.randn(batch, seqlen, heads, head_dim_v, device="cuda", dtype=torch.bfloat16)
     options = options_of(variant, heads)
     mask = {"causal": True} if window is None else {"causal": True, "window_size": (window, 0)}
     row = {"variant": variant, "head_dim": head_dim, "window": window, "seqlen": seqlen, "direction": direction,
@@ -79,10 +90,24 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
         inputs = (q, k, v)
         return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
-    contenders = {
-        "fagen": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, **options, bundle=bundle)),
-        "plain": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, bundle=bundle)),
-    }
+    contenders = {"fagen": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, **options, bundle=bundle))}
+    if variant != "split":  # no kernel of the same shape without the split to compare with
+        contenders["plain"] = timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, bundle=bundle))
+    else:
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+            return out.transpose(1, 2)
+
+        try:
+            with torch.no_grad():
+                theirs = cudnn(q, k, v)
+                ours = flash_attn_func(q, k, v, **mask, bundle=bundle)
+            row["max_abs_diff_vs_cuDNN"] = (ours.float() - theirs.float()).abs().max().item()
+            contenders["cuDNN"] = timed(cudnn)
+        except RuntimeError as exc:  # SDPA's "no kernel for these inputs"
+            row["errors"]["cuDNN"] = str(exc).splitlines()[0]
     if fa4 is None:
         row["errors"]["FA4"] = "flash-attn-4 not importable"
     elif "alibi_slopes" in options:
@@ -106,20 +131,25 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
                                repeats, row["errors"])
     row["ms"] = {name: statistics.median(s) for name, s in samples.items() if s}
     pairs = batch * heads * visible_pairs(seqlen, seqlen if window is None else window)
-    row["tflops"] = {name: tflops(4.0 * head_dim * pairs * DIRECTION_FLOPS[direction], ms)
+    row["tflops"] = {name: tflops(pair_flops(direction, head_dim, head_dim_v) * pairs, ms)
                      for name, ms in row["ms"].items()}
     return row
 
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| dir | variant | hd | window | seqlen | fagen TFLOP/s | FA4 TFLOP/s | fagen/FA4 | "
-             "time / plain time |", "|---|---|---|---|---|---|---|---|---|"]
+             "cuDNN TFLOP/s | fagen/cuDNN | time / plain time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(t, peer):
+        return f"{t['fagen'] / t[peer]:.2f}" if "fagen" in t and peer in t else "-"
+
     for r in rows:
         t, ms = r["tflops"], r["ms"]
-        ratio = f"{t['fagen'] / t['FA4']:.2f}" if "fagen" in t and "FA4" in t else "-"
         cost = f"{ms['fagen'] / ms['plain']:.2f}" if "fagen" in ms and "plain" in ms else "-"
-        lines.append(f"| {r['direction']} | {r['variant']} | {r['head_dim']} | {r['window'] or '-'} | {r['seqlen']} | "
-                     f"{t.get('fagen', 0):.0f} | {t.get('FA4', 0):.0f} | {ratio} | {cost} |")
+        dims = f"{r['head_dim']}/{SPLIT_HEAD_DIM_V}" if r["variant"] == "split" else r["head_dim"]
+        lines.append(f"| {r['direction']} | {r['variant']} | {dims} | {r['window'] or '-'} | {r['seqlen']} | "
+                     f"{t.get('fagen', 0):.0f} | {t.get('FA4', 0):.0f} | {ratio(t, 'FA4')} | "
+                     f"{t.get('cuDNN', 0):.0f} | {ratio(t, 'cuDNN')} | {cost} |")
     for r in rows:
         for name, text in r["errors"].items():
             lines.append(f"  {r['direction']} {r['variant']} hd{r['head_dim']} s{r['seqlen']} {name}: {text}")

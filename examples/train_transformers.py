@@ -76,12 +76,15 @@ IMPLEMENTATIONS = ["fagen", "sdpa", "sdpa-efficient", "eager", "flex_attention"]
 # --family: the model's attention. llama: plain causal; gemma2: softcap 50 on every layer, a
 # sliding window of 256 on every other, head_dim 128; gpt_oss: a learned sink per head on every
 # layer, a window of 128 on every other, head_dim 64 (4 experts, 2 per token). transformers has
-# no SDPA path for the last two (softcap, sinks): their references are eager attention and
-# flex_attention (a second implementation that differs only in rounding).
-FAMILIES = ("llama", "gemma2", "gpt_oss")
+# no SDPA path for those two (softcap, sinks): their references are eager attention and
+# flex_attention (a second implementation that differs only in rounding). deepseek_v3: multi-head
+# latent attention, q and k of 192 (128 + 64 rotary), v of 128 (4 experts, 2 per token); its
+# references sdpa and eager.
+FAMILIES = ("llama", "gemma2", "gpt_oss", "deepseek_v3")
 DEFAULT_RUNS = {"llama": ["fagen", "sdpa", "sdpa-efficient", "sdpa"],
                 "gemma2": ["fagen", "eager", "flex_attention"],
-                "gpt_oss": ["fagen", "eager", "flex_attention"]}
+                "gpt_oss": ["fagen", "eager", "flex_attention"],
+                "deepseek_v3": ["fagen", "sdpa", "eager"]}
 CUDA_ONLY = {"fagen", "sdpa-efficient"}
 
 
@@ -91,10 +94,11 @@ def parse_args() -> argparse.Namespace:
                    help="attention implementations to train with, in turn; one may repeat; the "
                         "first one that is not fagen is the reference the others are measured "
                         "from (default: fagen sdpa sdpa-efficient sdpa, for gemma2 and gpt_oss "
-                        "fagen eager flex_attention; on --device cpu: sdpa eager)")
+                        "fagen eager flex_attention, for deepseek_v3 fagen sdpa eager; on --device "
+                        "cpu: sdpa eager)")
     p.add_argument("--family", choices=FAMILIES, default="llama",
                    help="the model's attention: llama (causal), gemma2 (softcap, sliding window), "
-                        "gpt_oss (sinks, sliding window)")
+                        "gpt_oss (sinks, sliding window), deepseek_v3 (head dims 192 / 128)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the task and the loop, sdpa and eager only")
     p.add_argument("--steps", type=int, default=1000)
@@ -201,6 +205,11 @@ def make_model(args, attn: str, device):
     elif args.family == "gpt_oss":
         config = transformers.GptOssConfig(**sizes, head_dim=64, sliding_window=128, num_local_experts=4,
                                            num_experts_per_tok=2)
+    elif args.family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **{**sizes, "num_key_value_heads": 8}, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            kv_lora_rank=128, q_lora_rank=256, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, moe_intermediate_size=256)
     else:
         config = transformers.LlamaConfig(**sizes)
     torch.manual_seed(args.seed)  # the same initial weights for every implementation

@@ -35,10 +35,12 @@ MASKS = ("full", "causal", "local")
 # algo/online_softmax.cuh and the backward's algo/backward_rows.cuh), in the order a key spells
 # them.
 SCORE_MODS = ("softcap", "alibi", "sinks")
-# The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The variant
-# is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name).
-KEY_FORMAT = "{direction}/{dtype}/hd{head_dim}/{variant}"
-_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dim": "[0-9]+", "variant": "[a-z+]+"}
+# The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The head
+# dims are q and k's, and v's after a `v` where it differs (head_dims_name: 128, 192v128); the
+# variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name).
+KEY_FORMAT = "{direction}/{dtype}/hd{head_dims}/{variant}"
+_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dims": "[0-9]+(?:v[0-9]+)?",
+               "variant": "[a-z+]+"}
 _KEY = re.compile("^" + "".join(
     re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT)) + "$")
@@ -54,19 +56,31 @@ def variant_name(mask: str, mods: tuple[str, ...] = ()) -> str:
     return mask + "".join(f"+{mod}" for mod in SCORE_MODS if mod in mods)
 
 
+def head_dims_name(head_dim: int, head_dim_v: int | None = None) -> str:
+    """q/k's head dim, and v's after a `v` where it differs (None: the same), as a key spells
+    them: 128, 192v128."""
+    if head_dim_v is None or head_dim_v == head_dim:
+        return str(head_dim)
+    return f"{head_dim}v{head_dim_v}"
+
+
 @dataclass(frozen=True)
 class KernelKey:
     """What a call asks a bundle for, architecture aside; the loaders match it exactly."""
 
     direction: str
     dtype: str
-    head_dim: int
+    head_dim: int  # q's and k's
     mask: str  # one of MASKS
     mods: tuple[str, ...] = ()  # of SCORE_MODS, in its order
+    head_dim_v: int | None = None  # v's and the output's where it differs from head_dim
+
+    def __post_init__(self):
+        if self.head_dim_v == self.head_dim:  # one head dim: spelled once
+            object.__setattr__(self, "head_dim_v", None)
 
     def __str__(self) -> str:
-        return KEY_FORMAT.format(direction=self.direction, dtype=self.dtype,
-                                 head_dim=self.head_dim, variant=variant_name(self.mask, self.mods))
+        return kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.mods, self.head_dim_v)
 
     @classmethod
     def parse(cls, text: str) -> "KernelKey | None":
@@ -77,11 +91,17 @@ class KernelKey:
         mask, *mods = found["variant"].split("+")
         if mask not in MASKS or tuple(mods) != tuple(m for m in SCORE_MODS if m in mods):
             return None
-        return cls(found["direction"], found["dtype"], int(found["head_dim"]), mask, tuple(mods))
+        head_dim, _, head_dim_v = found["head_dims"].partition("v")
+        if head_dim_v == head_dim:  # spelled once where they agree
+            return None
+        return cls(found["direction"], found["dtype"], int(head_dim), mask, tuple(mods),
+                   int(head_dim_v) if head_dim_v else None)
 
 
-def kernel_key(direction: str, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:
-    return KEY_FORMAT.format(direction=direction, dtype=dtype, head_dim=head_dim,
+def kernel_key(direction: str, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = (),
+               head_dim_v: int | None = None) -> str:
+    return KEY_FORMAT.format(direction=direction, dtype=dtype,
+                             head_dims=head_dims_name(head_dim, head_dim_v),
                              variant=variant_name(mask, mods))
 
 
@@ -191,10 +211,10 @@ ACCUM_BYTES = 4
 ACCUM_BOX_COLUMNS = 32
 
 
-def head_dim_problem(head_dim: int) -> str | None:
-    """Why no fagen kernel can take `head_dim`, or None."""
+def head_dim_problem(head_dim: int, name: str = "head_dim") -> str | None:
+    """Why no fagen kernel can take `head_dim` (q/k's, or v's as `name` says), or None."""
     if head_dim % HEAD_DIM_MULTIPLE or not 0 < head_dim <= MAX_HEAD_DIM:
-        return (f"head_dim={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
+        return (f"{name}={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
                 f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]")
     return None
 
@@ -414,8 +434,8 @@ CONTRACT_HEADER = "include/fagen/contract.h"
 
 def _cpp_key_expression() -> str:
     """KEY_FORMAT as a C++ expression over kernel_key()'s parameters."""
-    fields = {"direction": "direction", "dtype": "dtype", "head_dim": "std::to_string(head_dim)",
-              "variant": "variant"}
+    fields = {"direction": "direction", "dtype": "dtype",
+              "head_dims": "head_dims_name(head_dim, head_dim_v)", "variant": "variant"}
     parts = ['std::string()']
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT):
         if literal:
@@ -512,10 +532,16 @@ def render_contract_header() -> str:
         *(f'    if ({mod}) variant += "+{mod}";' for mod in SCORE_MODS),
         "    return variant;",
         "}",
-        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\" (variant:",
-        "   variant_name). */",
+        "/* head_dims_name: q/k's head dim, and v's after a `v` where it differs (0: the same). */",
+        "inline std::string head_dims_name(int head_dim, int head_dim_v) {",
+        "    if (head_dim_v == 0 || head_dim_v == head_dim) return std::to_string(head_dim);",
+        "    return std::to_string(head_dim) + \"v\" + std::to_string(head_dim_v);",
+        "}",
+        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\" or",
+        f"   \"{kernel_key('bwd', 'bf16', 192, 'causal', (), 128)}\" (variant: variant_name; head_dim_v 0: the",
+        "   same as head_dim). */",
         "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
-        "const std::string& variant) {",
+        "const std::string& variant, int head_dim_v = 0) {",
         f"    return {_cpp_key_expression()};",
         "}",
         _CPP_RULES.rstrip("\n"),

@@ -259,12 +259,14 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
         raise _refuse("output_attentions=True", module,
                       hint="fagen never materialises the attention weights")
     q_length, kv_length = query.shape[2], key.shape[2]
-    head_dim = query.shape[-1]
-    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        raise _refuse(f"different q/k/v head dims ({head_dim}, {key.shape[-1]}, {value.shape[-1]})",
-                      module)
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    if key.shape[-1] != head_dim:
+        raise _refuse(f"different q and k head dims ({head_dim}, {key.shape[-1]})", module)
     if problem := contract.head_dim_problem(head_dim):
         raise _refuse(f"head_dim={head_dim}", module, hint=problem.split(": ", 1)[-1])
+    # v's may differ (DeepSeek-V3's 192 / 128: kernels built with head_dim_v).
+    if problem := contract.head_dim_problem(head_dim_v, "head_dim_v"):
+        raise _refuse(f"v's head_dim={head_dim_v}", module, hint=problem.split(": ", 1)[-1])
 
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)

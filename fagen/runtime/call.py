@@ -49,8 +49,9 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Problem:
-    """The shape of one call: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k,
-    heads_kv, head_dim), out like q, lse (batch, heads_q, seqlen_q) fp32; the mask from `causal`
+    """The shape of one call: q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k,
+    heads_kv, head_dim), v (batch, seqlen_k, heads_kv, head_dim_v; None: head_dim), out (batch,
+    seqlen_q, heads_q, head_dim_v), lse (batch, heads_q, seqlen_q) fp32; the mask from `causal`
     and `window_size` by flash-attn's rule (contract.call_mask); the score modifiers (softcap
     value, whether ALiBi slopes and sinks come with the call: their arrays are ScoreTensors)."""
 
@@ -64,13 +65,20 @@ class Problem:
     head_dim: int
     window_size: tuple[int, int] = (-1, -1)
     score: contract.Score = contract.Score()
+    head_dim_v: int | None = None
 
     @property
     def mask(self) -> contract.Mask:
         return contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
 
+    @property
+    def value_dim(self) -> int:
+        """v's and the output's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
     def direction_key(self, direction: str) -> str:
-        return contract.kernel_key(direction, self.dtype, self.head_dim, self.mask.kind, self.score.mods)
+        return contract.kernel_key(direction, self.dtype, self.head_dim, self.mask.kind, self.score.mods,
+                                   self.head_dim_v)
 
     @property
     def key(self) -> str:
@@ -114,6 +122,8 @@ def check_problem(problem: Problem) -> None:
             f"nheads_q={problem.heads_q} must be a multiple of nheads_kv={problem.heads_kv}")
     if found := contract.head_dim_problem(problem.head_dim):
         raise AttentionError(found)
+    if problem.head_dim_v is not None and (found := contract.head_dim_problem(problem.head_dim_v, "head_dim_v")):
+        raise AttentionError(found)
     try:
         problem.mask
     except contract.MaskError as error:
@@ -155,7 +165,7 @@ def _qkv_map_blob(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: con
     return b"".join((
         _tensor_map(p.dtype, q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
         _tensor_map(p.dtype, k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
-        _tensor_map(p.dtype, v, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, v, p.seqlen_k, p.heads_kv, p.batch, p.value_dim, launch.tma_kv_rows),
     ))
 
 
@@ -164,14 +174,14 @@ def _blob_array(blob: bytes) -> ctypes.Array:
 
 
 def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> ctypes.Array:
-    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch), boxes of
-    launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
+    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch) (V: head_dim_v),
+    boxes of launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
     return _blob_array(_qkv_map_blob(problem, q, k, v, launch))
 
 
 def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
                  dq_accum: int) -> ctypes.Array:
-    """FagenBwdTmaMaps (params.h): Q, K, V as tma_maps(), dO like Q; and the fp32 dQ
+    """FagenBwdTmaMaps (params.h): Q, K, V as tma_maps(), dO like the output; and the fp32 dQ
     accumulator at `dq_accum`, (batch, heads_q, seqlen_q, head_dim) with
     contract.dq_accum_rows(seqlen_q) rows per head, in boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
     p = problem
@@ -179,7 +189,7 @@ def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch
     head_bytes = row_bytes * contract.dq_accum_rows(p.seqlen_q)
     return _blob_array(b"".join((
         _qkv_map_blob(problem, t.q, t.k, t.v, launch),
-        _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
+        _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.value_dim, launch.tma_q_rows),
         _encode_tensor_map("fp32", dq_accum, (p.head_dim, p.seqlen_q, p.heads_q, p.batch),
                            (row_bytes, head_bytes, head_bytes * p.heads_q),
                            (contract.ACCUM_BOX_COLUMNS, launch.tma_q_rows, 1, 1)),

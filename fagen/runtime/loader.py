@@ -109,8 +109,8 @@ def _parse_key(key: str) -> dict | None:
 
 
 def _compact_keys(keys: set[str]) -> str:
-    """Group keys that differ only in head dim: ``fwd/bf16/hd{64,128}/causal``."""
-    head_dims: dict[tuple, list[int]] = defaultdict(list)
+    """Group keys that differ only in head dims: ``fwd/bf16/hd{64,128,192v128}/causal``."""
+    head_dims: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
     others = []
     for key in keys:
         fields = _parse_key(key)
@@ -118,10 +118,10 @@ def _compact_keys(keys: set[str]) -> str:
             others.append(key)
             continue
         group = (fields["direction"], fields["dtype"], fields["variant"])
-        head_dims[group].append(fields["head_dim"])
+        head_dims[group].append((fields["head_dim"], fields["head_dim_v"] or 0))
     grouped = []
     for (direction, dtype, mask), dims in sorted(head_dims.items()):
-        dims_text = ",".join(str(d) for d in sorted(dims))
+        dims_text = ",".join(contract.head_dims_name(d, v or None) for d, v in sorted(dims))
         grouped.append(f"{direction}/{dtype}/hd{{{dims_text}}}/{mask}" if len(dims) > 1
                        else f"{direction}/{dtype}/hd{dims_text}/{mask}")
     return ", ".join(grouped + sorted(others))
@@ -156,7 +156,8 @@ def _not_found_message(entries, key: str, compute_capability: tuple[int, int], b
         snippet = (
             f"{{fa_version: 2, arch: {_arch_for(compute_capability)}, direction: {fields['direction']}, "
             f"dtype: {fields['dtype']}, head_dim: {fields['head_dim']}, "
-            f"mask: {fields['mask']}" + (f", score: {'+'.join(fields['mods'])}" if fields["mods"] else "")
+            + (f"head_dim_v: {fields['head_dim_v']}, " if fields["head_dim_v"] else "")
+            + f"mask: {fields['mask']}" + (f", score: {'+'.join(fields['mods'])}" if fields["mods"] else "")
             + "}"
         )
         lines.append(

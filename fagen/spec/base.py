@@ -1,7 +1,7 @@
 """What every kernel spec shares; each algorithm (fa1.py ... fa4.py) subclasses it.
 
 A spec is one frozen, validated description of a kernel variant: the fields every kernel has
-(fa_version, arch, direction, dtype, head_dim, mask, score, max_seqlen_k) and a `tile`, which is the
+(fa_version, arch, direction, dtype, head_dim, head_dim_v, mask, score, max_seqlen_k) and a `tile`, which is the
 algorithm's own model. Each algorithm's spec class owns its tile model, its geometry (derived
 constants and the limits it checks: shared memory, registers, TMEM), the constexprs its template
 receives and its launch description; `KernelSpec.model_validate(fields)` picks the class by
@@ -174,6 +174,10 @@ class KernelSpec(BaseModel):
     # Why no tile of the algorithm can take a head_dim (None where some can): its module's
     # head_dim_problem, which its geometry's problems() reports too.
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]]
+    # Why the algorithm cannot take v's head dim `head_dim_v` beside q/k's `head_dim` where they
+    # differ (None where it can); by default it cannot.
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
+        lambda head_dim, head_dim_v: "its kernels take one head dim for q, k and v")
     TEMPLATE: ClassVar[str]  # path under templates/kernels/
     ARCHS: ClassVar[tuple[Arch, ...]]
     WHY_ARCHS: ClassVar[str]
@@ -196,7 +200,11 @@ class KernelSpec(BaseModel):
                                              "dK, dV from the forward's output and LSE)")
     dtype: Literal["fp16", "bf16"] = Field(description="the element type of q, k, v, the output and "
                                            "the gradients")
-    head_dim: int = Field(description="q, k and v's last dimension")
+    head_dim: int = Field(description="q and k's last dimension (and v's, unless head_dim_v)")
+    head_dim_v: int | None = Field(
+        None, description="v's and the output's last dimension where it differs from head_dim "
+        "(DeepSeek-V3's prefill: head_dim 192, head_dim_v 128); omit (or give head_dim) for the "
+        "same. FA2 and FA3 take head_dim_v <= head_dim, each a head dim of the algorithm")
     mask: Literal[contract.MASKS] = Field(
         "full", description="which (query, key) pairs attend (templates/include/fagen/algo/"
         "mask.cuh): full, causal (bottom-right aligned) or local (a sliding window, its sizes "
@@ -233,6 +241,8 @@ class KernelSpec(BaseModel):
             data.pop("max_seqlen_k", None)
         if not data.get("score"):
             data.pop("score", None)
+        if data.get("head_dim_v") is None:
+            data.pop("head_dim_v", None)
         if data.get("mask") in ("full", "causal"):
             data["causal"] = data.pop("mask") == "causal"
         return data
@@ -264,6 +274,7 @@ class KernelSpec(BaseModel):
         data = cls._causal_shorthand(data)  # the tile depends on the mask
         try:
             arch, head_dim = Arch(data["arch"]), int(data["head_dim"])
+            head_dim_v = None if data.get("head_dim_v") is None else int(data["head_dim_v"])
             mask = data.get("mask", "full")
             score = tuple(cls._parse_score(data.get("score", ())))
         except (KeyError, ValueError, TypeError, OverflowError):
@@ -272,10 +283,14 @@ class KernelSpec(BaseModel):
         # mislead where no tile can work.
         if problem := cls.head_dim_problem(head_dim):
             raise ValueError(problem)
+        if head_dim_v == head_dim:
+            head_dim_v = None
+        if head_dim_v is not None and (problem := cls.head_dim_v_problem(head_dim, head_dim_v)):
+            raise ValueError(problem)
         cls._check_arch(arch)
         if mask in contract.MASKS:
             cls._check_mask(mask)
-        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score)
+        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score, head_dim_v)
         return {**data, "tile": tile.model_dump()}
 
     @classmethod
@@ -284,10 +299,31 @@ class KernelSpec(BaseModel):
         it takes), else why no fagen kernel can; None where it can."""
         return cls.HEAD_DIM_RULE(head_dim) or contract.head_dim_problem(head_dim)
 
+    @classmethod
+    def head_dim_v_problem(cls, head_dim: int, head_dim_v: int) -> str | None:
+        """Why this algorithm cannot take v's head dim `head_dim_v` beside `head_dim` (they
+        differ), or None."""
+        if problem := contract.head_dim_problem(head_dim_v, "head_dim_v"):
+            return problem
+        if problem := cls.HEAD_DIM_V_RULE(head_dim, head_dim_v):
+            return (f"head_dim_v={head_dim_v} (head_dim={head_dim}): fa_version={cls.FA_VERSION} "
+                    f"{cls.DIRECTION} cannot take it: {problem}")
+        return None
+
     @field_validator("head_dim")
     @classmethod
     def _check_head_dim(cls, value: int) -> int:
         if problem := cls.head_dim_problem(value):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("head_dim_v")
+    @classmethod
+    def _check_head_dim_v(cls, value: int | None, info) -> int | None:
+        head_dim = info.data.get("head_dim")
+        if value is None or head_dim is None or value == head_dim:
+            return None  # one head dim: spelled once, so that the kernel's name stays
+        if problem := cls.head_dim_v_problem(head_dim, value):
             raise ValueError(problem)
         return value
 
@@ -338,15 +374,20 @@ class KernelSpec(BaseModel):
     # ---- per algorithm ----
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: TileBase):
-        """The algorithm's derived constants and limits for a head_dim and tile (the tuning
-        table asks before a spec exists)."""
+    def geometry_of(head_dim: int, tile: TileBase, head_dim_v: int | None = None):
+        """The algorithm's derived constants and limits for the head dims and a tile (the
+        tuning table asks before a spec exists)."""
         raise NotImplementedError
 
     @property
     def geometry(self):
-        """geometry_of this spec's head_dim and tile."""
-        return self.geometry_of(self.head_dim, self.tile)
+        """geometry_of this spec's head dims and tile."""
+        return self.geometry_of(self.head_dim, self.tile, self.head_dim_v)
+
+    @property
+    def value_dim(self) -> int:
+        """v's and the output's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         """The constexprs of the algorithm's template beyond the common ones."""
@@ -364,6 +405,7 @@ class KernelSpec(BaseModel):
             Constexpr("kMask", EnumValue("fagen::algo::MaskKind", MASK_KINDS[self.mask])),
             *(Constexpr(f"k{mod.capitalize()}", mod in self.score) for mod in contract.SCORE_MODS),
             Constexpr("kHeadDim", self.head_dim),
+            Constexpr("kHeadDimV", self.value_dim),
             *self.algorithm_constexprs(),
         ]
 
@@ -380,13 +422,15 @@ class KernelSpec(BaseModel):
         bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
         return (
             f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
-            f"hd{self.head_dim}_{self.variant.replace('+', '_')}_{self.tile.short}{bound}_{self.short_hash}"
+            f"hd{contract.head_dims_name(self.head_dim, self.head_dim_v)}_"
+            f"{self.variant.replace('+', '_')}_{self.tile.short}{bound}_{self.short_hash}"
         )
 
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
-        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.score)
+        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.score,
+                                   self.head_dim_v)
 
     @property
     def variant(self) -> str:

@@ -52,10 +52,16 @@ class Fa2Geometry(TileGeometry):
 
     @property
     def row_pitch_bytes(self) -> int:
-        # One 16-byte vector of padding per row: the 8 rows an ldmatrix reads then start in 8
-        # distinct bank groups (head_dim/8 + 1 vectors per row is odd for every head_dim that is
-        # a multiple of 16), so ldmatrix and cp.async are conflict-free without a swizzle.
-        return self.head_dim * ELEMENT_BYTES + VECTOR_BYTES
+        """Q and K rows. One 16-byte vector of padding per row: the 8 rows an ldmatrix reads
+        then start in 8 distinct bank groups (head_dim/8 + 1 vectors per row is odd for every
+        head_dim that is a multiple of 16), so ldmatrix and cp.async are conflict-free without
+        a swizzle."""
+        return row_pitch_bytes(self.head_dim)
+
+    @property
+    def v_row_pitch_bytes(self) -> int:
+        """V rows, padded the same way."""
+        return row_pitch_bytes(self.head_dim_v)
 
     @property
     def smem_q_bytes(self) -> int:
@@ -63,17 +69,18 @@ class Fa2Geometry(TileGeometry):
 
     @property
     def smem_kv_stage_bytes(self) -> int:
-        return 2 * self.block_n * self.row_pitch_bytes
+        return self.block_n * (self.row_pitch_bytes + self.v_row_pitch_bytes)
 
     @property
     def smem_bytes(self) -> int:
-        # The epilogue stages O through the Q buffer, so it needs no space of its own.
+        # The epilogue stages O through the Q buffer (head_dim_v <= head_dim), so it needs no
+        # space of its own.
         return self.smem_q_bytes + self.stages * self.smem_kv_stage_bytes
 
     @property
     def accumulator_registers(self) -> int:
         """fp32 registers per thread for the O and S accumulators."""
-        return self.warp_rows * (self.head_dim + self.block_n) // 32
+        return self.warp_rows * (self.head_dim_v + self.block_n) // 32
 
     @property
     def estimated_registers(self) -> int:
@@ -102,10 +109,16 @@ class Fa2Geometry(TileGeometry):
             out.append(
                 f"tile (block_m={self.block_m}, warps={self.warps}, block_n={self.block_n}) "
                 f"needs about {self.estimated_registers} registers per thread at "
-                f"head_dim={self.head_dim} ({self.accumulator_registers} for the accumulators); "
+                f"{self.head_dims} ({self.accumulator_registers} for the accumulators); "
                 f"the limit is {MAX_REGISTERS_PER_THREAD}: use fewer rows per warp or a smaller block_n"
             )
         return out
+
+
+def row_pitch_bytes(head_dim: int) -> int:
+    """A shared-memory row of `head_dim` elements and one 16-byte vector of padding (an odd
+    number of vectors: ldmatrix and cp.async conflict-free without a swizzle)."""
+    return head_dim * ELEMENT_BYTES + VECTOR_BYTES
 
 
 def mma_sync_head_dim_problem(head_dim: int, kernel: str) -> str | None:
@@ -120,6 +133,15 @@ def mma_sync_head_dim_problem(head_dim: int, kernel: str) -> str | None:
 def head_dim_problem(head_dim: int) -> str | None:
     """Why no FA2 forward tile can take `head_dim`, or None."""
     return mma_sync_head_dim_problem(head_dim, "the FA2 template")
+
+
+def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the FA2 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
+    if problem := head_dim_problem(head_dim_v):
+        return problem
+    if head_dim_v > head_dim:
+        return "it needs head_dim_v <= head_dim (the epilogue stages O through Q's buffer)"
+    return None
 
 
 # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
@@ -155,6 +177,7 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa2ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa2_fwd_sm80.cu.j2"
@@ -169,8 +192,9 @@ class Fa2ForwardSpec(KernelSpec):
     tile: Fa2Tile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa2Tile) -> Fa2Geometry:
-        return Fa2Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
+    def geometry_of(head_dim: int, tile: Fa2Tile, head_dim_v: int | None = None) -> Fa2Geometry:
+        return Fa2Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
+                           head_dim_v=head_dim_v)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
@@ -182,6 +206,7 @@ class Fa2ForwardSpec(KernelSpec):
             Constexpr("kWarpRows", g.warp_rows),
             Constexpr("kStages", g.stages),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),
+            Constexpr("kVRowPitchBytes", g.v_row_pitch_bytes),
             Constexpr("kSmemQBytes", g.smem_q_bytes),
             Constexpr("kSmemKVStageBytes", g.smem_kv_stage_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),

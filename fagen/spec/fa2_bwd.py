@@ -17,7 +17,7 @@ from pydantic import Field
 from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
-from .fa2 import VECTOR_BYTES, Fa2ForwardSpec, mma_sync_head_dim_problem
+from .fa2 import Fa2ForwardSpec, mma_sync_head_dim_problem, row_pitch_bytes
 from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 from .tuning import TuningRow
 
@@ -57,7 +57,8 @@ class Fa2BwdGeometry(TileGeometry):
 
     @property
     def col_splits(self) -> int:
-        """Parts of the queries (S^T) and of head_dim (dK, dV) the warps of a key group take."""
+        """Parts of the queries (S^T) and of head_dim (dK; dV: of head_dim_v) the warps of a
+        key group take."""
         return self.warps // self.key_groups
 
     @property
@@ -65,8 +66,14 @@ class Fa2BwdGeometry(TileGeometry):
         return self.block_m // self.col_splits
 
     @property
-    def kv_cols(self) -> int:
+    def k_cols(self) -> int:
+        """dK columns per warp."""
         return self.head_dim // self.col_splits
+
+    @property
+    def v_cols(self) -> int:
+        """dV columns per warp."""
+        return self.head_dim_v // self.col_splits
 
     @property
     def probs_in_registers(self) -> bool:
@@ -90,26 +97,32 @@ class Fa2BwdGeometry(TileGeometry):
 
     @property
     def row_pitch_bytes(self) -> int:
-        """Q, K, V, dO rows: as the forward's (an odd number of 16-byte vectors)."""
-        return self.head_dim * ELEMENT_BYTES + VECTOR_BYTES
+        """Q and K rows: as the forward's (an odd number of 16-byte vectors)."""
+        return row_pitch_bytes(self.head_dim)
+
+    @property
+    def v_row_pitch_bytes(self) -> int:
+        """V and dO rows (head_dim_v elements), padded the same way."""
+        return row_pitch_bytes(self.head_dim_v)
 
     @property
     def p_row_pitch_bytes(self) -> int:
         """P^T and dS^T rows (block_m elements), padded the same way."""
-        return self.block_m * ELEMENT_BYTES + VECTOR_BYTES
+        return row_pitch_bytes(self.block_m)
 
     @property
     def smem_bytes(self) -> int:
-        kv = 2 * self.block_n * self.row_pitch_bytes
-        stage = 2 * self.block_m * self.row_pitch_bytes + 2 * self.block_m * 4  # Q, dO, LSE, D
+        pitches = self.row_pitch_bytes + self.v_row_pitch_bytes
+        kv = self.block_n * pitches
+        stage = self.block_m * pitches + 2 * self.block_m * 4  # Q, dO, LSE, D
         p_tiles = 1 if self.probs_in_registers else 2  # dS^T, and P^T unless in registers
         return kv + self.stages * stage + p_tiles * self.block_n * self.p_row_pitch_bytes
 
     @property
     def estimated_registers(self) -> int:
-        """dK and dV (warp_keys x kv_cols each) and S^T, dP^T (warp_keys x s_cols each), per
+        """dK, dV (warp_keys x k_cols, v_cols) and S^T, dP^T (warp_keys x s_cols each), per
         thread."""
-        return 2 * self.warp_keys * (self.kv_cols + self.s_cols) // 32 + REGISTER_OVERHEAD
+        return self.warp_keys * (self.k_cols + self.v_cols + 2 * self.s_cols) // 32 + REGISTER_OVERHEAD
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
@@ -134,25 +147,34 @@ class Fa2BwdGeometry(TileGeometry):
             out.append(f"tile.block_m={self.block_m}: {self.query_groups} groups of "
                        f"{self.warp_queries} queries must divide tile.warps={self.warps}")
         else:
-            for name, cols in (("S^T columns", self.s_cols), ("dK/dV columns", self.kv_cols),
-                               ("dQ columns", self.dq_cols)):
+            for name, cols in (("S^T columns", self.s_cols), ("dK columns", self.k_cols),
+                               ("dV columns", self.v_cols), ("dQ columns", self.dq_cols)):
                 if cols % 16 or cols <= 0:
                     out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}, warps="
-                               f"{self.warps}) gives {cols} {name} per warp at head_dim="
-                               f"{self.head_dim}; must be a multiple of 16 (ldmatrix pairs)")
+                               f"{self.warps}) gives {cols} {name} per warp at "
+                               f"{self.head_dims}; must be a multiple of 16 (ldmatrix pairs)")
         if out:
             return out
         out.extend(smem_limit_problems(self, max_smem))
         if self.estimated_registers > MAX_REGISTERS_PER_THREAD:
             out.append(f"tile (block_m={self.block_m}, block_n={self.block_n}, warps={self.warps}) "
-                       f"needs about {self.estimated_registers} registers per thread at head_dim="
-                       f"{self.head_dim}; the limit is {MAX_REGISTERS_PER_THREAD}")
+                       f"needs about {self.estimated_registers} registers per thread at "
+                       f"{self.head_dims}; the limit is {MAX_REGISTERS_PER_THREAD}")
         return out
 
 
 def head_dim_problem(head_dim: int) -> str | None:
     """Why no FA2 backward tile can take `head_dim`, or None."""
     return mma_sync_head_dim_problem(head_dim, "the FA2 backward")
+
+
+def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the FA2 backward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
+    if problem := head_dim_problem(head_dim_v):
+        return problem
+    if head_dim_v > head_dim:
+        return "it needs head_dim_v <= head_dim, as the forward it differentiates"
+    return None
 
 
 # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers and walks
@@ -221,6 +243,7 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa2BackwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa2_bwd_sm80.cu.j2"
@@ -233,9 +256,9 @@ class Fa2BackwardSpec(KernelSpec):
     tile: Fa2BwdTile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa2BwdTile) -> Fa2BwdGeometry:
+    def geometry_of(head_dim: int, tile: Fa2BwdTile, head_dim_v: int | None = None) -> Fa2BwdGeometry:
         return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                              tile.warp_keys, tile.warp_queries)
+                              tile.warp_keys, tile.warp_queries, head_dim_v=head_dim_v)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
@@ -248,6 +271,7 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kWarpKeys", g.warp_keys),
             Constexpr("kWarpQueries", g.warp_queries),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),
+            Constexpr("kVRowPitchBytes", g.v_row_pitch_bytes),
             Constexpr("kPRowPitchBytes", g.p_row_pitch_bytes),
             Constexpr("kProbsInRegisters", g.probs_in_registers),
             Constexpr("kSmemBytes", g.smem_bytes),

@@ -99,17 +99,17 @@ class Fa3Geometry(TmaRingLayout):
 
     @property
     def pv_columns(self) -> int:
-        """N of the P V wgmma: head_dim, plus the column tile of ones with mma_row_sum."""
-        return self.head_dim + (ROW_SUM_COLUMNS if self.mma_row_sum else 0)
+        """N of the P V wgmma: head_dim_v, plus the column tile of ones with mma_row_sum."""
+        return self.head_dim_v + (ROW_SUM_COLUMNS if self.mma_row_sum else 0)
 
     @property
     def smem_v_stage_bytes(self) -> int:
         """mma_row_sum: each V tile is followed by a 64-column chunk of ones (block_n rows of
         128 bytes, all of them ones so that the swizzle cannot pick a wrong column), which the
-        P V wgmma reads as its columns head_dim ... head_dim + 7: the chunk after V's last one,
-        at the same chunk stride."""
+        P V wgmma reads as its columns head_dim_v ... head_dim_v + 7: the chunk after V's last
+        one, at the same chunk stride."""
         ones_chunk = self.block_n * TMA_COLUMNS * ELEMENT_BYTES if self.mma_row_sum else 0
-        return self.smem_kv_tile_bytes + ones_chunk
+        return self.smem_v_tile_bytes + ones_chunk
 
     @property
     def smem_control_bytes(self) -> int:
@@ -147,7 +147,7 @@ class Fa3Geometry(TmaRingLayout):
                        "first Q K^T on its own, outside the turns)")
         if self.mma_row_sum and self.pv_columns > WGMMA_MAX_N:
             out.append(f"tile.mma_row_sum: P V would need N = {self.pv_columns} > {WGMMA_MAX_N} "
-                       f"at head_dim={self.head_dim}")
+                       f"at {self.head_dims}")
         elif self.mma_row_sum and self.pv_columns not in WGMMA_N:
             out.append(f"tile.mma_row_sum: no wgmma wrapper for N = {self.pv_columns}")
         if self.pingpong and self.consumers != 2:
@@ -160,7 +160,7 @@ class Fa3Geometry(TmaRingLayout):
         if self.estimated_registers > self.consumer_registers:
             out.append(
                 f"tile (block_n={self.block_n}) needs about {self.estimated_registers} registers "
-                f"per consumer thread at head_dim={self.head_dim}; consumers get "
+                f"per consumer thread at {self.head_dims}; consumers get "
                 f"{self.consumer_registers}"
             )
         return out
@@ -171,6 +171,16 @@ def head_dim_problem(head_dim: int) -> str | None:
     if head_dim % TMA_COLUMNS or head_dim not in WGMMA_N:
         return (f"head_dim={head_dim}: the FA3 template needs a multiple of {TMA_COLUMNS} "
                 f"(128-byte swizzle atoms) that is a wgmma N in {WGMMA_N}")
+    return None
+
+
+def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the FA3 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
+    if problem := head_dim_problem(head_dim_v):
+        return problem
+    if head_dim_v > head_dim:
+        return ("it needs head_dim_v <= head_dim (the tuning rows choose a tile by head_dim, "
+                "whose O must fit the consumers' registers)")
     return None
 
 
@@ -246,6 +256,14 @@ TUNING: tuple[TuningRow, ...] = (
               "softmax overlaps the warpgroup's own P V (run 20, sweep9); block_n 160 wastes more "
               "of each diagonal block (437 at 2k); 161 KB smem (Q 32 KB + 2 stages x K,V 32 KB)",
               causal=True),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, pingpong=True), 192,
+              "head_dim 192 with head_dim_v 128 (DeepSeek-V3 prefill), non-causal: head_dim "
+              "128's causal tile with ping-pong, as its non-causal rows take; 160 keys would "
+              "need 248 KB smem (K rows are 384 bytes). O 64 + S 64 + P 32 regs per consumer; "
+              "208 KB smem", causal=False, head_dim_v=128),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 192,
+              "head_dim 192 with head_dim_v 128, causal: head_dim 128's causal tile (no "
+              "ping-pong, as there); 208 KB smem", causal=True, head_dim_v=128),
     TuningRow(Fa3Tile(block_m=128, block_n=80, warps=12, stages=2), 256,
               "any score modifier: the causal row's tile, without the non-causal row's ping-pong "
               "(whose causal mask code alone spilled 4 bytes)", score=("softcap", "alibi", "sinks")),
@@ -270,6 +288,7 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa3ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"
@@ -282,10 +301,10 @@ class Fa3ForwardSpec(KernelSpec):
     tile: Fa3Tile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa3Tile) -> Fa3Geometry:
+    def geometry_of(head_dim: int, tile: Fa3Tile, head_dim_v: int | None = None) -> Fa3Geometry:
         return Fa3Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
                            tile.pingpong, tile.early_first_qk, tile.peel_masked_blocks,
-                           tile.mma_row_sum)
+                           tile.mma_row_sum, head_dim_v=head_dim_v)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

@@ -257,6 +257,13 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa3BackwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    # At head_dim 192 with head_dim_v 128 neither split fits: keys split, a consumer's dK and dV
+    # (64 x 320 fp32) and S^T, dP^T need ~224 of its 240 registers before any overhead; columns
+    # split, each consumer's 96 columns of dK and dQ start inside a 64-column swizzle chunk.
+    # FA2's backward serves split head dims on Hopper.
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
+        lambda head_dim, head_dim_v: "its consumers split one head dim's dK, dV and dQ (the FA2 "
+        "backward takes head_dim_v)")
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa3_bwd_sm90.cu.j2"
@@ -269,8 +276,8 @@ class Fa3BackwardSpec(KernelSpec):
     tile: Fa3BwdTile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa3BwdTile) -> Fa3BwdGeometry:
-        return Fa3BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages)
+    def geometry_of(head_dim: int, tile: Fa3BwdTile, head_dim_v: int | None = None) -> Fa3BwdGeometry:
+        return Fa3BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages, head_dim_v=head_dim_v)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

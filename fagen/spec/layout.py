@@ -3,7 +3,7 @@ TMA ring layout of the FA3 and FA4 kernels."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
 
@@ -35,24 +35,37 @@ def smem_limit_problems(geometry, max_smem: int) -> list[str]:
         return []
     return [
         f"tile (block_m={geometry.block_m}, block_n={geometry.block_n}, stages={geometry.stages}) "
-        f"needs {geometry.smem_bytes} bytes of shared memory at head_dim={geometry.head_dim}; "
+        f"needs {geometry.smem_bytes} bytes of shared memory at {geometry.head_dims}; "
         f"the arch allows {max_smem}"
     ]
 
 
 @dataclass(frozen=True)
 class TileGeometry:
-    """The fields of every kernel geometry, in the positional order of their constructors."""
+    """The fields of every kernel geometry, in the positional order of their constructors;
+    head_dim is q and k's, head_dim_v v's and the output's (None: head_dim)."""
 
     head_dim: int
     block_m: int
     block_n: int
     warps: int
     stages: int
+    head_dim_v: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def threads(self) -> int:
         return self.warps * 32
+
+    @property
+    def head_dims(self) -> str:
+        """The head dims, as the messages name them."""
+        if self.head_dim_v == self.head_dim:
+            return f"head_dim={self.head_dim}"
+        return f"head_dim={self.head_dim}, head_dim_v={self.head_dim_v}"
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class TmaRingLayout(TileGeometry):
     """Shared memory of the TMA kernels: `q_stages` Q tiles, then `stages` K tiles, then
     `stages` V stages (a V tile each, and what a kernel keeps beside it), then the control block
     (mbarriers, ...); every offset stays a multiple of SWIZZLE_ATOM_BYTES because block_m,
-    block_n are multiples of 8 and head_dim of 64."""
+    block_n are multiples of 8 and head_dim, head_dim_v of 64."""
 
     @property
     def q_stages(self) -> int:
@@ -80,7 +93,13 @@ class TmaRingLayout(TileGeometry):
 
     @property
     def smem_kv_tile_bytes(self) -> int:
+        """A K tile (block_n x head_dim)."""
         return self.block_n * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def smem_v_tile_bytes(self) -> int:
+        """A V tile (block_n x head_dim_v)."""
+        return self.block_n * self.head_dim_v * ELEMENT_BYTES
 
     @property
     def smem_v_offset(self) -> int:
@@ -89,7 +108,7 @@ class TmaRingLayout(TileGeometry):
     @property
     def smem_v_stage_bytes(self) -> int:
         """A V stage: the V tile, and whatever a kernel keeps beside it."""
-        return self.smem_kv_tile_bytes
+        return self.smem_v_tile_bytes
 
     @property
     def smem_barrier_offset(self) -> int:

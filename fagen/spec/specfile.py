@@ -74,9 +74,10 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
             spec = KernelSpec.model_validate(fields)
             out.specs.append(spec)
             # `tile: auto` also builds the tuning table's kernels for short sequences; not for
-            # score modifiers, whose kernels (one per model family's variant) would otherwise
-            # double in number for a few percent at 512-1k keys.
-            if fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields and not spec.score:
+            # score modifiers and split head dims, whose kernels (one per model family's
+            # variant) would otherwise double in number for a few percent at 512-1k keys.
+            if (fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields
+                    and not spec.score and spec.head_dim_v is None):
                 for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.mask):
                     out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:

@@ -38,14 +38,18 @@ class TuningRow:
     # one of them, before the rows for every kernel (None), where those modifiers' registers
     # made the general tile spill.
     score: tuple[str, ...] | None = None
+    # The v head dim the row is for, where it differs from the q/k one (DeepSeek-V3's 192/128):
+    # it serves only those kernels, before the general rows. None: any head_dim_v.
+    head_dim_v: int | None = None
 
 
 def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
-                 score: tuple[str, ...] = ()) -> list[TuningRow]:
+                 score: tuple[str, ...] = (), head_dim_v: int | None = None) -> list[TuningRow]:
     rows = [r for r in algorithm.TUNING_ROWS if head_dim <= r.max_head_dim
             and r.causal in (None, mask != "full")
             and not (mask == "local" and r.max_seqlen_k is not None)
-            and (r.score is None or set(r.score) & set(score))]
+            and (r.score is None or set(r.score) & set(score))
+            and r.head_dim_v in (None, head_dim_v)]
     if not rows:
         raise ValueError(
             f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
@@ -53,7 +57,8 @@ def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
         )
     bucket = min(r.max_head_dim for r in rows)
     rows = [r for r in rows if r.max_head_dim == bucket]
-    return [r for r in rows if r.score is not None] + [r for r in rows if r.score is None]
+    special = [r for r in rows if r.score is not None or r.head_dim_v is not None]
+    return special + [r for r in rows if r not in special]
 
 
 def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | None:
@@ -66,24 +71,26 @@ def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | N
 
 
 def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, mask: str = "full",
-                 max_seqlen_k: int | None = None, score: tuple[str, ...] = ()) -> TileBase:
-    """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch`, the mask
-    and the score modifiers, among the rows that serve calls of up to `max_seqlen_k` keys
-    (None: the unbounded rows).
+                 max_seqlen_k: int | None = None, score: tuple[str, ...] = (),
+                 head_dim_v: int | None = None) -> TileBase:
+    """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch`, the mask,
+    the score modifiers and the v head dim (None: head_dim), among the rows that serve calls of
+    up to `max_seqlen_k` keys (None: the unbounded rows).
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = _bucket_rows(algorithm, head_dim, mask, score)
+    rows = _bucket_rows(algorithm, head_dim, mask, score, head_dim_v)
     bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
     for row in (r for r in rows if r.max_seqlen_k == bound):
-        problems = algorithm.geometry_of(head_dim, row.tile).problems(ARCHS[arch].max_smem_per_block)
+        geometry = algorithm.geometry_of(head_dim, row.tile, head_dim_v)
+        problems = geometry.problems(ARCHS[arch].max_smem_per_block)
         if not problems:
             return row.tile
         tried.append(f"{row.tile.sizes}: {'; '.join(problems)}")
     raise ValueError(
         f"tile: auto found no fitting tile for fa_version={algorithm.FA_VERSION}, "
-        f"arch={arch.value}, head_dim={head_dim}: " + " | ".join(tried)
+        f"arch={arch.value}, {geometry.head_dims}: " + " | ".join(tried)
     )
 
 

@@ -125,8 +125,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"fagen.flash_attn_func: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     batch, _, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"fagen.flash_attn_func: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"fagen.flash_attn_func: k and v must agree on (batch, seqlen, nheads): "
+                         f"{tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(
             f"fagen.flash_attn_func: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on "
@@ -139,6 +140,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if problem := contract.head_dim_problem(head_dim):
         raise ValueError(f"fagen.flash_attn_func: {problem}")
+    if v.shape[3] != head_dim and (problem := contract.head_dim_problem(v.shape[3], "head_dim_v")):
+        raise ValueError(f"fagen.flash_attn_func: {problem} (v's last dimension)")
+
+
+def _output_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, seqlen_q, nheads_q, head_dim_v): the output has v's head dim."""
+    return (*q.shape[:3], v.shape[3])
 
 
 def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -179,12 +187,15 @@ def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
     return runtime_call.Tensor(t.data_ptr(), *_kernel_strides(t))
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
-             softcap: float = 0.0, alibi: bool = False, sinks: bool = False) -> runtime_call.Problem:
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             window: tuple[int, int], softcap: float = 0.0, alibi: bool = False,
+             sinks: bool = False) -> runtime_call.Problem:
     batch, seqlen_q, heads_q, head_dim = q.shape
+    head_dim_v = v.shape[3]
     return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
                                 heads_q, k.shape[2], head_dim, tuple(window),
-                                contract.Score(softcap, alibi, sinks))
+                                contract.Score(softcap, alibi, sinks),
+                                None if head_dim_v == head_dim else head_dim_v)
 
 
 class _PreparedLaunch(NamedTuple):
@@ -205,7 +216,7 @@ def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
     arrays, kept = _score_arrays(alibi_slopes, learnable_sink)
-    problem = _problem(q, k, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
+    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
     prepared = runtime_call.prepare(kernels, problem, _tensor(q), _tensor(k), _tensor(v), _tensor(out),
                                     softmax_scale, q.device.index, entry, arrays)
     return _PreparedLaunch(prepared, (q, k, v, *kept))
@@ -301,7 +312,7 @@ def _flash_attn_fwd(
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
         with driver.primary_context(prepared.attention.device):
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(_output_shape(q, v), dtype=q.dtype, device=q.device)
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
             _launch(prepared, out, lse)
         return out, lse
@@ -313,11 +324,11 @@ def _flash_attn_fwd(
     contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
     kernels = get_bundle(bundle)
     device = q.device.index
-    problem = _problem(q, k, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
+    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
     runtime_call.check_problem(problem)  # the window's sizes, before any allocation
     entry = runtime_call.select(kernels, problem, device)
     with driver.primary_context(device):
-        out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty(_output_shape(q, v), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel() == 0:
             return out, lse
@@ -349,7 +360,7 @@ def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_l
                          softmax_scale, bundle, deterministic=False):
     _check_inputs(q, k, v)
     _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, heads_q, head_dim))
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(_output_shape(q, v))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse

@@ -68,9 +68,11 @@ def flash_attn_func(
     bundle: str | os.PathLike | Bundle | None = None,
     **flash_attn_options,
 ):
-    """Attention in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k and v
-    (batch, seqlen_k, nheads_kv, head_dim), fp16 or bf16 on one CUDA device; differentiable in
-    q, k and v. Everything after q, k, v is keyword-only.
+    """Attention in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k (batch,
+    seqlen_k, nheads_kv, head_dim) and v (batch, seqlen_k, nheads_kv, head_dim_v), fp16 or bf16
+    on one CUDA device; differentiable in q, k and v. head_dim_v may differ from head_dim
+    (DeepSeek-V3's 192/128; kernels built with head_dim_v). Everything after q, k, v is
+    keyword-only.
 
     nheads_q must be a multiple of nheads_kv (GQA/MQA; dk, dv are summed over the query heads a
     K/V head serves). `causal` (a bool) masks bottom-right aligned (query row i sees keys
@@ -91,7 +93,7 @@ def flash_attn_func(
     $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p and return_attn_probs are
     accepted only at their "off" values.
 
-    Returns out (batch, seqlen_q, nheads_q, head_dim), plus, with return_lse, the natural-log
+    Returns out (batch, seqlen_q, nheads_q, head_dim_v), plus, with return_lse, the natural-log
     LSE (batch, nheads_q, seqlen_q) in float32 (not differentiable).
     """
     if extra_positional or flash_attn_options:

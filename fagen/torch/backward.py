@@ -45,7 +45,7 @@ def _flash_attn_bwd(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dsink = torch.zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32, device=q.device)
-    problem = _problem(q, k, causal, (window_left, window_right), softcap, alibi_slopes is not None,
+    problem = _problem(q, k, v, causal, (window_left, window_right), softcap, alibi_slopes is not None,
                        learnable_sink is not None)
     if problem.seqlen_k == 0 or dq.numel() == 0:
         # No score depends on any input: every gradient is zero (the sink's too: with no key

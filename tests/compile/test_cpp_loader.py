@@ -242,13 +242,14 @@ def test_cpp_tensor_rule_matches_python(open_bundle, data, strides, tma):
     assert result.stdout.strip() == expected
 
 
+@pytest.mark.parametrize("head_dim_v", (0, 96, 64))  # 0: the same as head_dim
 @pytest.mark.parametrize("mods", ((), ("softcap",), ("alibi", "sinks"), contract.SCORE_MODS))
 @pytest.mark.parametrize("mask", contract.MASKS)
-def test_cpp_key_matches_python(open_bundle, mask, mods):
+def test_cpp_key_matches_python(open_bundle, mask, mods, head_dim_v):
     flags = [int(mod in mods) for mod in contract.SCORE_MODS]
-    result = run(open_bundle, "--key", "bwd", "bf16", 96, mask, *flags)
+    result = run(open_bundle, "--key", "bwd", "bf16", 96, mask, *flags, head_dim_v)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == contract.kernel_key("bwd", "bf16", 96, mask, mods)
+    assert result.stdout.strip() == contract.kernel_key("bwd", "bf16", 96, mask, mods, head_dim_v or None)
 
 
 @pytest.mark.parametrize("causal", (False, True))

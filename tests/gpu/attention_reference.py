@@ -293,8 +293,9 @@ def forward_errors(out, lse, q, k, v, causal, scale=None, window=(-1, -1), mods=
     low_out, low_lse = attention_math(q, k, v, causal, scale, q.dtype, window, mods)
     flash_out, flash_lse = flash_recurrence(q, k, v, causal, scale, q.dtype, window=window, mods=mods)
     kernel = torch_flash(q, k, v, causal, scale, window=window, mods=mods)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        return {"out": f"shape {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"}
+    expected = (*q.shape[:3], v.shape[3])  # the output has v's head dim
+    if out.shape != expected or out.dtype != q.dtype:
+        return {"out": f"shape {tuple(out.shape)} {out.dtype}, expected {expected} {q.dtype}"}
     if not torch.isfinite(out).all():
         return {"out": "not finite (unwritten or bad math)"}
     errors = {"out": (max_error(out, ref_out), max_error(low_out, ref_out), max_error(flash_out, ref_out),

@@ -26,8 +26,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SIZES = ((1, 1, 1), (2, 17, 17), (1, 1000, 1000), (2, 128, 300), (2, 300, 128), (1, 1, 1000))
 
 
-def require_backward(bundle, dtype, head_dim, causal, score=()):
-    require_kernel(bundle, dtype, head_dim, causal, direction="bwd", score=score)
+def require_backward(bundle, dtype, head_dim, causal, score=(), head_dim_v=None):
+    require_kernel(bundle, dtype, head_dim, causal, direction="bwd", score=score, head_dim_v=head_dim_v)
 
 
 def leaves(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):

@@ -40,22 +40,28 @@ def mask_name(causal) -> str:
     return causal
 
 
-def require_kernel(bundle, dtype, head_dim, causal, direction="fwd", score=()):
+def require_kernel(bundle, dtype, head_dim, causal, direction="fwd", score=(), head_dim_v=None):
     """Skips unless the bundle has the kernel; `causal`: a bool or a mask kind; `score`: its
-    score modifiers."""
+    score modifiers; `head_dim_v`: v's head dim where it differs."""
     key = contract.kernel_key(direction, {v: k for k, v in DTYPE_BY_NAME.items()}[dtype], head_dim,
-                              mask_name(causal), score)
+                              mask_name(causal), score, head_dim_v)
     try:
         bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:
         pytest.skip(f"bundle has no {key} for this device: {str(exc).splitlines()[0]}")
 
 
-def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):
+def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v or head_dim, device="cuda", dtype=dtype)
     return q, k, v
+
+
+def value_dim(entry) -> int:
+    """v's and the output's head dim of a kernel of the bundle."""
+    key = contract.KernelKey.parse(entry.key)
+    return key.head_dim_v or key.head_dim
 
 
 def poison_allocator(*shapes_and_dtypes):
@@ -70,8 +76,8 @@ def poison_allocator(*shapes_and_dtypes):
 
 
 def run_poisoned(q, k, v, **kwargs):
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    poison_allocator(((batch, seqlen_q, heads_q, head_dim), q.dtype), ((batch, heads_q, seqlen_q), torch.float32))
+    batch, seqlen_q, heads_q, _ = q.shape
+    poison_allocator(((batch, seqlen_q, heads_q, v.shape[3]), q.dtype), ((batch, heads_q, seqlen_q), torch.float32))
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kwargs)
     torch.cuda.synchronize()
     return out, lse
@@ -171,8 +177,8 @@ def test_every_kernel_of_the_bundle(bundle, size):
     for entry in entries:
         dtype, head_dim, causal, window, mods, options = entry_call(entry, batch, heads_q)
         torch.manual_seed(seqlen_q + head_dim)
-        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
-        out = torch.full((batch, seqlen_q, heads_q, head_dim), math.nan, dtype=dtype, device="cuda")
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, value_dim(entry))
+        out = torch.full((batch, seqlen_q, heads_q, value_dim(entry)), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, heads_q, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
         prepare_launch(bundle, entry, q, k, v, out, lse, window_size=window, **options)()
         torch.cuda.synchronize()

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_fa2_fwd import (  # noqa: E402
-    assert_close_to_reference, entry_call, random_qkv, require_kernel, run_poisoned, runnable_entries,
+    assert_close_to_reference, entry_call, random_qkv, require_kernel, run_poisoned, runnable_entries, value_dim,
 )
 from fagen.torch import flash_attn_func  # noqa: E402
 
@@ -48,8 +48,8 @@ def test_softmax_scale_zero_is_uniform_attention_in_every_kernel(bundle, size, s
         if mods.alibi is not None:
             continue  # ALiBi's bias is in units of the scale: with scale 0 it is not uniform
         torch.manual_seed(seqlen_q + head_dim)
-        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
-        out = torch.full((batch, seqlen_q, 4, head_dim), math.nan, dtype=dtype, device="cuda")
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, value_dim(entry))
+        out = torch.full((batch, seqlen_q, 4, value_dim(entry)), math.nan, dtype=dtype, device="cuda")
         lse = torch.full((batch, 4, seqlen_q), math.nan, dtype=torch.float32, device="cuda")
         prepare_launch(bundle, entry, q, k, v, out, lse, scale, window, **options)()
         torch.cuda.synchronize()

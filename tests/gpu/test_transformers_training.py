@@ -1,7 +1,8 @@
 """fagen inside a real client: randomly initialised models of Hugging Face transformers with
 attn_implementation="fagen": Llama-style; Mistral-style with a sliding window of 256 keys over
 1024; Gemma-2-style (softcap 50 on every layer, a window of 256 on every other, head_dim 128);
-gpt-oss-style (sinks on every layer, a window of 128 on every other, head_dim 64), against the
+gpt-oss-style (sinks on every layer, a window of 128 on every other, head_dim 64); DeepSeek-V3-style
+(multi-head latent attention: q and k of 192 = 128 + 64 rotary, v of 128; MoE), against the
 same model in fp32 eager attention, with the noise of bf16 set by "sdpa" (or, where sdpa has no
 softcap or sinks, eager attention under bf16 autocast). Skips without transformers."""
 
@@ -22,6 +23,13 @@ pytestmark = [
 ]
 
 
+# DeepSeek-V3's attention at a small width: its head dims (q, k: 128 + 64 rotary; v: 128), low-rank
+# K/V and Q projections; 4 routed experts (2 per token) in one group, the first layer dense.
+DEEPSEEK_V3_ATTENTION = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=128,
+                             q_lora_rank=256, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                             topk_group=1, first_k_dense_replace=1, moe_intermediate_size=256)
+
+
 def model(attn: str, seqlen: int, family: str = "llama"):
     import fagen.integrations.transformers  # noqa: F401  (registers "fagen")
 
@@ -36,6 +44,8 @@ def model(attn: str, seqlen: int, family: str = "llama"):
     elif family == "gpt_oss":
         config = transformers.GptOssConfig(**sizes, head_dim=64, sliding_window=128, num_local_experts=4,
                                            num_experts_per_tok=2)
+    elif family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(**{**sizes, "num_key_value_heads": 8}, **DEEPSEEK_V3_ATTENTION)
     else:
         config = transformers.LlamaConfig(**sizes)
     torch.manual_seed(0)
@@ -53,17 +63,19 @@ def test_attention_gradients_at_the_models_shapes(bundle):
     assert_grads_close(q, k, v, dout, True, scale=1 / math.sqrt(64))
 
 
-# family: (the kernels it needs beside the causal ones: (head_dim, variant, score), its noise run)
-FAMILIES = {"llama": ((64, "causal", ()), "sdpa"), "mistral": ((64, "local", ()), "sdpa"),
-            "gemma2": ((128, "local", ("softcap",)), "eager-bf16"),
-            "gpt_oss": ((64, "local", ("sinks",)), "eager-bf16")}
+# family: (the kernels it needs beside the causal ones: (head_dim, variant, score, head_dim_v), its
+# noise run)
+FAMILIES = {"llama": ((64, "causal", (), None), "sdpa"), "mistral": ((64, "local", (), None), "sdpa"),
+            "gemma2": ((128, "local", ("softcap",), None), "eager-bf16"),
+            "gpt_oss": ((64, "local", ("sinks",), None), "eager-bf16"),
+            "deepseek_v3": ((192, "causal", (), 128), "sdpa")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle, family):
-    (head_dim, mask, score), noise = FAMILIES[family]
-    require_backward(bundle, torch.bfloat16, head_dim, mask, score)
-    require_backward(bundle, torch.bfloat16, head_dim, "causal", score)
+    (head_dim, mask, score, head_dim_v), noise = FAMILIES[family]
+    require_backward(bundle, torch.bfloat16, head_dim, mask, score, head_dim_v)
+    require_backward(bundle, torch.bfloat16, head_dim, "causal", score, head_dim_v)
     seqlen = 1024
     tokens = torch.randint(0, 576, (4, seqlen + 1), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))

@@ -229,6 +229,19 @@ def test_a_key_spells_the_variant_and_parses_back(mask, mods):
         contract.kernel_key("fwd", "bf16", 128, mask, ("tanh",))
 
 
+def test_a_key_spells_split_head_dims_once_each():
+    from fagen import contract
+
+    key = contract.kernel_key("bwd", "bf16", 192, "causal", (), 128)
+    assert key == "bwd/bf16/hd192v128/causal"
+    assert contract.KernelKey.parse(key) == contract.KernelKey("bwd", "bf16", 192, "causal", (), 128)
+    # One head dim is spelled once, however it is given.
+    assert contract.kernel_key("fwd", "bf16", 128, "full", (), 128) == "fwd/bf16/hd128/full"
+    assert contract.KernelKey("fwd", "bf16", 128, "full", (), 128).head_dim_v is None
+    assert contract.KernelKey.parse("fwd/bf16/hd128v128/full") is None
+    assert contract.KernelKey.parse("fwd/bf16/hd128v/full") is None
+
+
 def test_the_score_rule():
     from fagen import contract
 

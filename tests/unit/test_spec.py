@@ -147,7 +147,7 @@ def test_every_tuning_row_fits_a_target_of_its_algorithm():
     for row in TABLE:
         algorithm = next(c for c in SPEC_CLASSES if c.model_fields["tile"].annotation is type(row.tile))
         fits = [arch for arch in algorithm.ARCHS
-                if not algorithm.geometry_of(row.max_head_dim, row.tile).problems(
+                if not algorithm.geometry_of(row.max_head_dim, row.tile, row.head_dim_v).problems(
                     ARCHS[arch].max_smem_per_block)]
         assert fits, f"{row.tile!r} fits no target of {algorithm.__name__}"
 
@@ -394,3 +394,33 @@ def test_a_variant_takes_its_own_tuning_row_before_the_general_one():
     assert not capped.pingpong and capped.block_n == 128  # the ping-pong tile spilled with the softcap
     expansion = expand({"bundle": "t", "kernels": [{**base, "causal": True, "score": "softcap"}]})
     assert [s.max_seqlen_k for s in expansion.specs] == [None]  # no short-sequence kernels per variant
+
+
+@pytest.mark.parametrize("fa_version, direction, arch", [
+    (2, "fwd", "sm80"), (2, "bwd", "sm90"), (3, "fwd", "sm90a")])
+def test_split_head_dims_reach_the_name_the_key_and_the_template(fa_version, direction, arch):
+    spec = KernelSpec.model_validate({"fa_version": fa_version, "direction": direction, "arch": arch,
+                                      "dtype": "bf16", "head_dim": 192, "head_dim_v": 128, "causal": True})
+    assert spec.lookup_key == f"{direction}/bf16/hd192v128/causal"
+    assert "_hd192v128_causal_" in spec.name
+    constexprs = {c.name: c.value for c in spec.constexprs()}
+    assert (constexprs["kHeadDim"], constexprs["kHeadDimV"]) == (192, 128)
+    assert spec.geometry.head_dim_v == 128
+
+
+def test_one_head_dim_given_twice_is_the_kernel_with_one():
+    one = KernelSpec.model_validate({**BASE, "causal": True})
+    twice = KernelSpec.model_validate({**BASE, "causal": True, "head_dim_v": 128})
+    assert twice == one and twice.name == one.name and "head_dim_v" not in twice.canonical_json()
+    assert {c.name: c.value for c in one.constexprs()}["kHeadDimV"] == 128
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"head_dim_v": 100}, "head_dim_v=100: must be a multiple of 8"),
+    ({"head_dim": 64, "head_dim_v": 128}, "needs head_dim_v <= head_dim"),
+    ({"fa_version": 1, "arch": "sm80", "head_dim_v": 64}, "fa_version=1 fwd cannot take it"),
+    ({"fa_version": 3, "direction": "bwd", "arch": "sm90a", "head_dim_v": 64}, "the FA2 backward takes head_dim_v"),
+    ({"fa_version": 4, "arch": "sm100a", "head_dim_v": 64}, "fa_version=4 fwd cannot take it"),
+])
+def test_split_head_dims_an_algorithm_cannot_take_are_refused_by_name(fields, words):
+    assert words in error_text(**fields)

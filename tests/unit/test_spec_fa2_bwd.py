@@ -38,7 +38,7 @@ def test_wide_warps_are_named_and_send_p_through_shared_memory():
     s = spec(tile=WIDE)
     assert "_m64n128w8s2_wk32_wq32_" in s.name
     g = s.geometry
-    assert (g.key_groups, g.col_splits, g.s_cols, g.kv_cols) == (4, 2, 32, 64)
+    assert (g.key_groups, g.col_splits, g.s_cols, g.k_cols) == (4, 2, 32, 64)
     assert (g.query_groups, g.dq_splits, g.dq_cols) == (2, 4, 32)
     assert not g.probs_in_registers
     assert g.smem_bytes == 2 * 128 * 272 + 2 * (2 * 64 * 272 + 2 * 64 * 4) + 2 * 128 * 144

@@ -34,7 +34,8 @@ def test_kernel_key():
         (lambda q, k, v: (q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
          ValueError, "multiple of nheads_kv=3"),
         (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "agree on batch"),
-        (lambda q, k, v: (q, k, v[:, :3]), ValueError, "k and v shapes differ"),
+        (lambda q, k, v: (q, k, v[:, :3]), ValueError, "k and v must agree on"),
+        (lambda q, k, v: (q, k, v[..., :60]), ValueError, "head_dim_v=60"),
         (lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, "head_dim=60"),
         (lambda q, k, v: (q, k, v), ValueError, "CUDA tensors"),
     ],
@@ -128,9 +129,12 @@ def test_tensors_reach_the_runtime_with_their_kernel_strides():
     q = torch.randn(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2)  # (2, 33, 4, 64) view
     k = torch.randn(2, 50, 1, 64, dtype=torch.float16)
     assert adapter._tensor(q) == adapter.runtime_call.Tensor(q.data_ptr(), 4 * 33 * 64, 64, 33 * 64)
-    assert adapter._problem(q, k, True, (-1, -1)) == adapter.runtime_call.Problem(
+    assert adapter._problem(q, k, k, True, (-1, -1)) == adapter.runtime_call.Problem(
         "fp16", True, 2, 33, 50, 4, 1, 64)
-    assert adapter._problem(q, k, False, (8, 0)).window_size == (8, 0)
+    assert adapter._problem(q, k, k, False, (8, 0)).window_size == (8, 0)
+    v = torch.randn(2, 50, 1, 32, dtype=torch.float16)
+    problem = adapter._problem(q, k, v, True, (-1, -1))
+    assert (problem.head_dim_v, problem.value_dim, problem.key) == (32, 32, "fwd/fp16/hd64v32/causal")
 
 
 def test_broadcast_is_copied_for_tma_kernels():

@@ -388,14 +388,15 @@ enum class DType { fp16, bf16 };
 inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
 
 // Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key);
-// variant: a mask of FAGEN_MASK_NAMES, with the score modifiers (contract.h's variant_name).
-inline std::string forward_key(DType dtype, int head_dim, const std::string& variant) {
-    return kernel_key("fwd", dtype_name(dtype), head_dim, variant);
+// variant: a mask of FAGEN_MASK_NAMES, with the score modifiers (contract.h's variant_name);
+// head_dim_v: v's head dim where it differs (0: the same), e.g. "fwd/bf16/hd192v128/causal".
+inline std::string forward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0) {
+    return kernel_key("fwd", dtype_name(dtype), head_dim, variant, head_dim_v);
 }
 
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
-inline std::string backward_key(DType dtype, int head_dim, const std::string& variant) {
-    return kernel_key("bwd", dtype_name(dtype), head_dim, variant);
+inline std::string backward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0) {
+    return kernel_key("bwd", dtype_name(dtype), head_dim, variant, head_dim_v);
 }
 
 // The mask of a call: its kind (one of FAGEN_MASK_NAMES) and the window sizes its kernel is
@@ -519,8 +520,9 @@ inline Status tensor_status(const char* name, CUdeviceptr data, const Strides& s
     return Status();
 }
 
-// One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k and v
-// (batch, seqlen_k, heads_kv, head_dim), out like q, optional lse (batch, heads_q, seqlen_q)
+// One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k (batch,
+// seqlen_k, heads_kv, head_dim), v (batch, seqlen_k, heads_kv, head_dim_v), out (batch, seqlen_q,
+// heads_q, head_dim_v), optional lse (batch, heads_q, seqlen_q)
 // fp32, all device pointers. Strides default to contiguous. `causal` masks bottom-right aligned
 // (query row i sees keys j <= i + seqlen_k - seqlen_q); window_left / window_right are
 // flash-attn's window_size (call_mask; -1: unbounded); a row that sees no key gives zeros.
@@ -529,6 +531,9 @@ struct Attention {
     bool causal = false;
     int window_left = -1, window_right = -1;
     int batch = 0, seqlen_q = 0, seqlen_k = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+    // v's and out's last dimension where it differs from head_dim (DeepSeek-V3: 192 / 128); 0:
+    // head_dim.
+    int head_dim_v = 0;
     CUdeviceptr q = 0, k = 0, v = 0, out = 0;
     CUdeviceptr lse = 0;  // 0: not written
     // fp32 scratch for kernels that keep state in global memory (FA1): at least
@@ -551,6 +556,8 @@ struct Attention {
     std::string variant(const CallMask& mask) const {
         return variant_name(mask.kind, softcap > 0, alibi_slopes != 0, sinks != 0);
     }
+
+    int value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 class Bundle;
@@ -813,7 +820,7 @@ public:
         if (Status s = check_score_arrays(a); !s.ok()) return s;
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
@@ -858,7 +865,7 @@ public:
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         return sizeof(int) * static_cast<size_t>(workspace_layout(a, kernel.value()->info().block_m).semaphores);
     }
@@ -887,7 +894,7 @@ public:
         }
         const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value())), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const auto [q, k, v, o] = strides_of(a);
         const Strides dout = a.dout_strides.value_or(o);
@@ -935,7 +942,7 @@ public:
         FagenBwdTmaMaps maps{};
         const FagenKernelInfo& info = kernel.value()->info();
         if (Status s = encode_qkv_maps(&maps.q, &maps.k, &maps.v, a, q, k, v, info); !s.ok()) return s;
-        if (Status s = encode_tensor_map(&maps.dout, a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.head_dim, dout,
+        if (Status s = encode_tensor_map(&maps.dout, a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.value_dim(), dout,
                                          info.tma_q_rows);
             !s.ok()) return s;
         const Strides accum{a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim, a.head_dim,
@@ -1033,8 +1040,8 @@ private:
     static std::array<Strides, 4> strides_of(const Attention& a) {
         return {a.q_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim)),
                 a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim)),
-                a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim)),
-                a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim))};
+                a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.value_dim())),
+                a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.value_dim()))};
     }
 
     // The score modifiers' arrays: fp32, 4-byte aligned (their presence picks the variant).
@@ -1077,13 +1084,13 @@ private:
     static Status encode_qkv_maps(FagenTensorMap* q_map, FagenTensorMap* k_map, FagenTensorMap* v_map,
                                   const Attention& a, const Strides& q, const Strides& k, const Strides& v,
                                   const FagenKernelInfo& info) {
-        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, const Strides*, int> specs[] = {
-            {q_map, a.q, a.seqlen_q, a.heads_q, &q, info.tma_q_rows},
-            {k_map, a.k, a.seqlen_k, a.heads_kv, &k, info.tma_kv_rows},
-            {v_map, a.v, a.seqlen_k, a.heads_kv, &v, info.tma_kv_rows},
+        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, int, const Strides*, int> specs[] = {
+            {q_map, a.q, a.seqlen_q, a.heads_q, a.head_dim, &q, info.tma_q_rows},
+            {k_map, a.k, a.seqlen_k, a.heads_kv, a.head_dim, &k, info.tma_kv_rows},
+            {v_map, a.v, a.seqlen_k, a.heads_kv, a.value_dim(), &v, info.tma_kv_rows},
         };
-        for (const auto& [map, data, seqlen, heads, strides, box_rows] : specs) {
-            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, a.head_dim, *strides, box_rows);
+        for (const auto& [map, data, seqlen, heads, columns, strides, box_rows] : specs) {
+            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, columns, *strides, box_rows);
                 !s.ok()) return s;
         }
         return Status();

@@ -8,7 +8,7 @@
 //                                       print kernel_scale_log2's value (%.9g) or its error
 //   open_bundle --score-scale SCALE|default HEAD_DIM SOFTCAP
 //                                       print kernel_score_scale's two values (%.9g) or its error
-//   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS
+//   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS HEAD_DIM_V
 //                                       print kernel_key of variant_name(MASK, ...)
 //   open_bundle --tensor DATA BATCH_STRIDE ROW_STRIDE HEAD_STRIDE TMA
 //                                       print "ok" or tensor_status's error for a tensor "t"
@@ -57,10 +57,10 @@ int main(int argc, char** argv) {
         std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
         return 0;
     }
-    if (argc == 9 && std::strcmp(argv[1], "--key") == 0) {
+    if (argc == 10 && std::strcmp(argv[1], "--key") == 0) {
         const std::string variant = fagen::variant_name(argv[5], std::atoi(argv[6]) != 0, std::atoi(argv[7]) != 0,
                                                         std::atoi(argv[8]) != 0);
-        std::printf("%s\n", fagen::kernel_key(argv[2], argv[3], std::atoi(argv[4]), variant).c_str());
+        std::printf("%s\n", fagen::kernel_key(argv[2], argv[3], std::atoi(argv[4]), variant, std::atoi(argv[9])).c_str());
         return 0;
     }
     if (argc == 11 && std::strcmp(argv[1], "--grid") == 0) {

@@ -19,8 +19,9 @@
 
 namespace fagen::algo {
 
-template <class Element, int kHeadDim, int kRowsPerCta, int kRowThreads, int kAccumRowAlign, bool kSinks,
-          bool kFragmentTiles = false>
+// kHeadDim: Q's and dQ's columns; kHeadDimV: O's and dO's.
+template <class Element, int kHeadDim, int kHeadDimV, int kRowsPerCta, int kRowThreads, int kAccumRowAlign,
+          bool kSinks, bool kFragmentTiles = false>
 struct BackwardRows {
     using Ops = algo::ElementOps<Element>;
     static_assert(!kFragmentTiles || (kHeadDim % 8 == 0 && kAccumRowAlign % 16 == 0));
@@ -50,7 +51,7 @@ struct BackwardRows {
     // diagonal of O (16 rows) times dO^T (two n8 tiles of its 16 rows); also the LSE in base 2
     // (algo/lse.cuh) and the rows of the dQ accumulator zeroed.
     static __device__ void preprocess(const FagenBwdParams& p) {
-        static_assert(kHeadDim % 16 == 0 && kRowsPerCta == 16 * (kRowThreads / 32), "a warp per 16 rows");
+        static_assert(kHeadDimV % 16 == 0 && kRowsPerCta == 16 * (kRowThreads / 32), "a warp per 16 rows");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
         const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
@@ -74,7 +75,7 @@ struct BackwardRows {
         auto pair_at = [](const uint32_t* row, int column) { return row != nullptr ? row[column / 2] : 0u; };
         float acc[2][4] = {};  // O times the first / second 8 rows of dO^T
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        for (int kk = 0; kk < kHeadDimV / 16; ++kk) {
             const int column = 16 * kk + 2 * t;
             const uint32_t a[4] = {pair_at(o_rows[0], column), pair_at(o_rows[1], column),
                                    pair_at(o_rows[0], column + 8), pair_at(o_rows[1], column + 8)};

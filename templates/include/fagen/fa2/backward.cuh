@@ -24,12 +24,13 @@
 // Warps (kWarps of them) split S^T / dP^T and dK / dV by kKeyGroups groups of kWarpKeys keys
 // (kKeyTiles m16 tiles) times kColSplits column parts (of the queries for S^T, of head_dim for
 // dK / dV), and dQ by kQueryGroups groups of kWarpQueries queries (kDqRowTiles m16 tiles) times
-// kDqSplits parts of head_dim. More rows per warp read each operand fragment for more MMAs:
+// kDqSplits parts of head_dim (dK and dQ; dV: of head_dim_v). More rows per warp read each operand fragment for more MMAs:
 // shared memory's bandwidth is what this kernel runs out of first (run 99).
 //
 // Shared memory: K_j, V_j (block_n rows each), then kStages stages of Q_i, dO_i (block_m rows
 // each), LSE_i and D_i (block_m floats each), then dS^T and, unless kProbsInRegisters, P^T
-// (block_n rows of block_m each). Rows of head_dim elements have the forward's padded pitch;
+// (block_n rows of block_m each). Rows of head_dim (Q, K) or head_dim_v (V, dO) elements have
+// the forward's padded pitches;
 // P^T / dS^T rows one 16-byte vector more than block_m elements, for the same reason (ldmatrix
 // without bank conflicts).
 #pragma once
@@ -57,22 +58,27 @@ struct Backward {
     using Mask = algo::AttentionMask<Config::kMask>;
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using DsoftcapOps = algo::ElementOps<__half>;  // the softcap's 1 - u^2, kept as fp16 pairs
-    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta, Config::kBwdRowThreads,
+    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
+                                    Config::kBwdRowThreads,
                                     Config::kDqAccumRowAlign, Config::kSinks, /*kFragmentTiles=*/true>;
 
     static constexpr int kThreads = Config::kThreads;
-    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kHeadDim = Config::kHeadDim;    // Q, K, dQ, dK columns
+    static constexpr int kHeadDimV = Config::kHeadDimV;  // V, dO, dV columns
     static constexpr int kBlockM = Config::kBlockM;
     static constexpr int kBlockN = Config::kBlockN;
-    static constexpr int kPitch = Config::kRowPitchBytes;    // Q, K, V, dO rows
+    static constexpr int kPitch = Config::kRowPitchBytes;    // Q, K rows
+    static constexpr int kVPitch = Config::kVRowPitchBytes;  // V, dO rows
     static constexpr int kPPitch = Config::kPRowPitchBytes;  // P^T, dS^T rows
     static constexpr int kWarpKeys = Config::kWarpKeys;
     static constexpr int kKeyTiles = kWarpKeys / 16;            // m16 tiles of keys per warp
     static constexpr int kKeyGroups = kBlockN / kWarpKeys;
     static constexpr int kColSplits = Config::kWarps / kKeyGroups;
     static constexpr int kSTiles = kBlockM / kColSplits / 8;     // n8 tiles of S^T per warp
-    static constexpr int kKVCols = kHeadDim / kColSplits;        // dK / dV columns per warp
-    static constexpr int kKVTiles = kKVCols / 8;
+    static constexpr int kKCols = kHeadDim / kColSplits;         // dK columns per warp
+    static constexpr int kKTiles = kKCols / 8;
+    static constexpr int kVCols = kHeadDimV / kColSplits;        // dV columns per warp
+    static constexpr int kVTiles = kVCols / 8;
     static constexpr int kWarpQueries = Config::kWarpQueries;
     static constexpr int kDqRowTiles = kWarpQueries / 16;        // m16 tiles of dQ rows per warp
     static constexpr int kQueryGroups = kBlockM / kWarpQueries;
@@ -89,7 +95,6 @@ struct Backward {
     static constexpr int kDqChunkTiles = kDqChunkCols / 8;
     static constexpr int kDqChunks = kDqCols / kDqChunkCols;
     static constexpr int kDqTiles = kDqRowTiles * kDqChunkTiles;  // a chunk's C fragments per warp
-    static constexpr int kDSteps = kHeadDim / 16;  // k16 steps over head_dim
     static constexpr int kMSteps = kBlockM / 16;   // over the queries of a block
     static constexpr int kNSteps = kBlockN / 16;   // over the keys of a block
     // dQ's last chunk is added during dK's product, kDqPerStep fragments after each of its
@@ -101,19 +106,21 @@ struct Backward {
     static_assert(kWarpKeys % 16 == 0 && kWarpQueries % 16 == 0);
     static_assert(kKeyGroups * kColSplits == Config::kWarps, "warps = key groups x column parts");
     static_assert(kQueryGroups * kDqSplits == Config::kWarps, "warps = query groups x dQ parts");
-    static_assert(kSTiles % 2 == 0 && kKVTiles % 2 == 0 && kDqChunkTiles % 2 == 0 &&
+    static_assert(kSTiles % 2 == 0 && kKTiles % 2 == 0 && kVTiles % 2 == 0 && kDqChunkTiles % 2 == 0 &&
                       kDqCols % kDqChunkCols == 0,
                   "ldmatrix.x4 loads operand pairs of n8 tiles");
-    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1 && kPPitch % 16 == 0 &&
-                      (kPPitch / 16) % 2 == 1,
+    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1 && kVPitch % 16 == 0 &&
+                      (kVPitch / 16) % 2 == 1 && kPPitch % 16 == 0 && (kPPitch / 16) % 2 == 1,
                   "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
     static_assert(Config::kStages == 1 || Config::kStages == 2);
 
     // Shared-memory layout (byte offsets, fagen/spec/fa2_bwd.py re-derives them).
-    static constexpr int kTileBytes = kBlockN * kPitch;           // K_j or V_j
-    static constexpr int kQTileBytes = kBlockM * kPitch;          // Q_i or dO_i
-    static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kBlockM * 4;
-    static constexpr int kStagesOffset = 2 * kTileBytes;
+    static constexpr int kTileBytes = kBlockN * kPitch;           // K_j
+    static constexpr int kVTileBytes = kBlockN * kVPitch;         // V_j
+    static constexpr int kQTileBytes = kBlockM * kPitch;          // Q_i
+    static constexpr int kDoTileBytes = kBlockM * kVPitch;        // dO_i
+    static constexpr int kStageBytes = kQTileBytes + kDoTileBytes + 2 * kBlockM * 4;
+    static constexpr int kStagesOffset = kTileBytes + kVTileBytes;
     static constexpr int kDsOffset = kStagesOffset + Config::kStages * kStageBytes;
     static constexpr int kPTileBytes = kBlockN * kPPitch;
     static constexpr bool kProbsInRegisters = Config::kProbsInRegisters;
@@ -127,7 +134,7 @@ struct Backward {
         __device__ uint32_t v() const { return base + kTileBytes; }
         __device__ uint32_t q(int stage) const { return base + kStagesOffset + stage * kStageBytes; }
         __device__ uint32_t dout(int stage) const { return q(stage) + kQTileBytes; }
-        __device__ uint32_t lse(int stage) const { return q(stage) + 2 * kQTileBytes; }
+        __device__ uint32_t lse(int stage) const { return dout(stage) + kDoTileBytes; }
         __device__ uint32_t d(int stage) const { return lse(stage) + kBlockM * 4; }
         __device__ uint32_t ds() const { return base + kDsOffset; }
         __device__ uint32_t p() const { return ds() + kPTileBytes; }  // unless kProbsInRegisters
@@ -147,30 +154,31 @@ struct Backward {
         }
     }
 
-    // acc (16*kM x 8*kN) = A (16*kM x head_dim, row-major at `a`) * B^T, B (8*kN x head_dim,
-    // row-major at `b`): the per-lane ldmatrix addresses are folded into `a` and `b`.
-    template <int kM, int kN>
+    // acc (16*kM x 8*kN) = A (16*kM x kCols, row-major at `a`) * B^T, B (8*kN x kCols,
+    // row-major at `b`), both of row pitch kRowPitch: the per-lane ldmatrix addresses are folded
+    // into `a` and `b`.
+    template <int kCols, int kRowPitch, int kM, int kN>
     static __device__ __forceinline__ void warp_product_nt(float (&acc)[kM][kN][4], uint32_t a,
                                                            uint32_t b) {
         algo::clear_fragment(acc);
 #pragma unroll
-        for (int kk = 0; kk < kDSteps; ++kk) {
+        for (int kk = 0; kk < kCols / 16; ++kk) {
             uint32_t frag_a[kM][4];
 #pragma unroll
-            for (int m = 0; m < kM; ++m) ptx::ldmatrix_x4(frag_a[m], a + m * 16 * kPitch + kk * 32);
+            for (int m = 0; m < kM; ++m) ptx::ldmatrix_x4(frag_a[m], a + m * 16 * kRowPitch + kk * 32);
 #pragma unroll
             for (int np = 0; np < kN / 2; ++np) {
                 uint32_t frag_b[4];
-                ptx::ldmatrix_x4(frag_b, b + np * 16 * kPitch + kk * 32);
+                ptx::ldmatrix_x4(frag_b, b + np * 16 * kRowPitch + kk * 32);
                 mma_tile_pair(acc, frag_a, frag_b, np);
             }
         }
     }
 
     // acc (16*kM x 8*kN) += A (16*kM x block_m, row-major at `a`, the P^T / dS^T pitch) *
-    // B (block_m x 8*kN, row-major at `b`, the Q / dO pitch, read transposed); after_step(kk)
-    // runs after the MMAs of each k16 step.
-    template <int kM, int kN, class AfterStep>
+    // B (block_m x 8*kN, row-major at `b`, row pitch kBPitch (Q's or dO's), read transposed);
+    // after_step(kk) runs after the MMAs of each k16 step.
+    template <int kBPitch, int kM, int kN, class AfterStep>
     static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a, uint32_t b,
                                                            AfterStep&& after_step) {
 #pragma unroll
@@ -181,17 +189,17 @@ struct Backward {
 #pragma unroll
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
-                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
+                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kBPitch + dp * 32);
                 mma_tile_pair(acc, frag_a, frag_b, dp);
             }
             after_step(kk);
         }
     }
 
-    template <int kM, int kN>
+    template <int kBPitch, int kM, int kN>
     static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4], uint32_t a,
                                                            uint32_t b) {
-        warp_product_nn(acc, a, b, [](int) {});
+        warp_product_nn<kBPitch>(acc, a, b, [](int) {});
     }
 
     // acc = this warp's dQ rows x kDqChunkCols columns from dq_col = dS K: A from dS^T (at
@@ -216,8 +224,8 @@ struct Backward {
 
     // warp_product_nn with A from an accumulator over the step's queries (P^T or dS^T in the
     // layout of algo/fragment.cuh, rounded to the element type per k16 step), B (block_m x
-    // 8*kN, row-major at `b`, the Q / dO pitch, read transposed).
-    template <int kM, int kN>
+    // 8*kN, row-major at `b`, row pitch kBPitch, read transposed).
+    template <int kBPitch, int kM, int kN>
     static __device__ __forceinline__ void warp_product_nn(float (&acc)[kM][kN][4],
                                                            const float (&a)[kM][kSTiles][4], uint32_t b) {
 #pragma unroll
@@ -228,7 +236,7 @@ struct Backward {
 #pragma unroll
             for (int dp = 0; dp < kN / 2; ++dp) {
                 uint32_t frag_b[4];
-                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kPitch + dp * 32);
+                ptx::ldmatrix_x4_trans(frag_b, b + kk * 16 * kBPitch + dp * 32);
                 mma_tile_pair(acc, frag_a, frag_b, dp);
             }
         }
@@ -303,8 +311,8 @@ struct Backward {
             const int rows_valid = p.seqlen_q - loading.block * kBlockM;
             algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q_rows, p.q_row_stride,
                                                                           rows_valid, tid);
-            algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.dout(stage), dout_rows,
-                                                                          p.do_row_stride, rows_valid, tid);
+            algo::load_rows<Element, kBlockM, kHeadDimV, kVPitch, kThreads>(s.dout(stage), dout_rows,
+                                                                            p.do_row_stride, rows_valid, tid);
             load_row_floats(s.lse(stage), s.d(stage), p, lse_row0, rows_valid, tid);
             const int head = loading.head;
             loading.advance(i_begin, i_end);
@@ -319,22 +327,25 @@ struct Backward {
             }
         };
 
-        float acc_dk[kKeyTiles][kKVTiles][4];
-        float acc_dv[kKeyTiles][kKVTiles][4];
+        float acc_dk[kKeyTiles][kKTiles][4];
+        float acc_dv[kKeyTiles][kVTiles][4];
         algo::clear_fragment(acc_dk);
         algo::clear_fragment(acc_dv);
 
         algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.k(), k, p.k_row_stride, keys_valid, tid);
-        algo::load_rows<Element, kBlockN, kHeadDim, kPitch, kThreads>(s.v(), v, p.v_row_stride, keys_valid, tid);
+        algo::load_rows<Element, kBlockN, kHeadDimV, kVPitch, kThreads>(s.v(), v, p.v_row_stride, keys_valid, tid);
         if (steps > 0) load_step(0);
         ptx::cp_async_commit_group();
 
         // Per-lane byte offsets of the ldmatrix row addresses (forward.cuh has the same three):
         // an A operand read from row-major [m][k] tiles, a B operand from [n][k] (non-transposed)
-        // and a B operand from [k][n] (transposed).
+        // and a B operand from [k][n] (transposed); v_ for the rows of V and dO.
         const uint32_t a_lane = (lane % 16) * kPitch + (lane / 16) * 16;
         const uint32_t b_lane = (lane % 8 + 8 * (lane / 16)) * kPitch + ((lane / 8) % 2) * 16;
         const uint32_t bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + (lane / 16) * 16;
+        const uint32_t v_a_lane = (lane % 16) * kVPitch + (lane / 16) * 16;
+        const uint32_t v_b_lane = (lane % 8 + 8 * (lane / 16)) * kVPitch + ((lane / 8) % 2) * 16;
+        const uint32_t v_bt_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kVPitch + (lane / 16) * 16;
         // The same over P^T / dS^T rows, and an A operand read transposed from [k][m] (dS from dS^T).
         const uint32_t pa_lane = (lane % 16) * kPPitch + (lane / 16) * 16;
         const uint32_t pat_lane = (lane % 8 + 8 * (lane / 16)) * kPPitch + ((lane / 8) % 2) * 16;
@@ -370,7 +381,8 @@ struct Backward {
             // The softcap's 1 - u^2 per score (algo/score.cuh), for dS, as fp16 pairs.
             uint32_t dsoftcap[Config::kSoftcap ? kKeyTiles : 1][Config::kSoftcap ? kSTiles : 1][2];
             const auto score = Score::of(p, batch, head - batch * p.heads_q);
-            warp_product_nt(acc_s, s.k() + a_lane + warp_key * kPitch, s.q(stage) + b_lane + warp_query * kPitch);
+            warp_product_nt<kHeadDim, kPitch>(acc_s, s.k() + a_lane + warp_key * kPitch,
+                                              s.q(stage) + b_lane + warp_query * kPitch);
 #pragma unroll
             for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
@@ -400,8 +412,8 @@ struct Backward {
                             if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[m][n][i] = 0.f;
                         }
             }
-            warp_product_nt(acc_dp, s.v() + a_lane + warp_key * kPitch,
-                            s.dout(stage) + b_lane + warp_query * kPitch);
+            warp_product_nt<kHeadDimV, kVPitch>(acc_dp, s.v() + v_a_lane + warp_key * kVPitch,
+                                                s.dout(stage) + v_b_lane + warp_query * kVPitch);
 #pragma unroll
             for (int m = 0; m < kKeyTiles; ++m)
 #pragma unroll
@@ -440,10 +452,10 @@ struct Backward {
             // that reused their registers (spread: 1.02-1.09x, run 114, and up to 1.03x more with
             // kDqPerStep's extra one, run 116; dQ last instead of between the products: 1.00-1.03x
             // less at head dims 64 and 128, run 107).
-            const uint32_t kv_col_bytes = col_split * kKVCols * 2;
+            const uint32_t k_col_bytes = col_split * kKCols * 2, v_col_bytes = col_split * kVCols * 2;
             if constexpr (kProbsInRegisters) {
-                warp_product_nn(acc_dv, acc_s, s.dout(stage) + bt_lane + kv_col_bytes);
-                warp_product_nn(acc_dk, acc_dp, s.q(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn<kVPitch>(acc_dv, acc_s, s.dout(stage) + v_bt_lane + v_col_bytes);
+                warp_product_nn<kPitch>(acc_dk, acc_dp, s.q(stage) + bt_lane + k_col_bytes);
                 __syncthreads();  // dS^T of the whole block is in shared memory
                 DqTurn turn(p, mask, head, m_block, n_block);
 #pragma unroll
@@ -452,16 +464,16 @@ struct Backward {
             } else {
                 store_probs(s.p(), acc_s, warp_key, warp_query, lane);
                 __syncthreads();  // P^T and dS^T of the whole block are in shared memory
-                warp_product_nn(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
-                                s.dout(stage) + bt_lane + kv_col_bytes);
+                warp_product_nn<kVPitch>(acc_dv, s.p() + pa_lane + warp_key * kPPitch,
+                                         s.dout(stage) + v_bt_lane + v_col_bytes);
                 DqTurn turn(p, mask, head, m_block, n_block);
 #pragma unroll
                 for (int chunk = 0; chunk + 1 < kDqChunks; ++chunk) add_dq(dq_rows, acc_dq, dq_chunk(chunk), 0, kDqTiles);
                 const int last_col = dq_chunk(kDqChunks - 1);
-                warp_product_nn(acc_dk, s.ds() + pa_lane + warp_key * kPPitch, s.q(stage) + bt_lane + kv_col_bytes,
-                                [&](int kk) {
-                                    add_dq(dq_rows, acc_dq, last_col, kk * kDqPerStep, kDqPerStep);
-                                });
+                warp_product_nn<kPitch>(acc_dk, s.ds() + pa_lane + warp_key * kPPitch,
+                                        s.q(stage) + bt_lane + k_col_bytes, [&](int kk) {
+                                            add_dq(dq_rows, acc_dq, last_col, kk * kDqPerStep, kDqPerStep);
+                                        });
                 turn.pass();
             }
 
@@ -476,9 +488,9 @@ struct Backward {
         const typename Order::Tile again = tile_of_cta(p);
         const int end_batch = again.head_of_batch / p.heads_kv, end_kv_head = again.head_of_batch % p.heads_kv;
         store_kv(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale,
-                 end_batch, end_kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+                 end_batch, end_kv_head, key_begin + warp_key, col_split * kKCols, lane);
         store_kv(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
-                 end_batch, end_kv_head, key_begin + warp_key, col_split * kKVCols, lane);
+                 end_batch, end_kv_head, key_begin + warp_key, col_split * kVCols, lane);
     }
 
     using Order = algo::TileOrder<Config::kMask, kBlockM, kBlockN>;
@@ -545,10 +557,11 @@ struct Backward {
         }
     }
 
-    // A warp's dK or dV rows from the accumulator layout (kKVTiles n8 tiles of columns from
+    // A warp's dK or dV rows from the accumulator layout (kTiles n8 tiles of columns from
     // col0): scale * acc as the element type, rows first_key... past seqlen_k left out.
+    template <int kTiles>
     static __device__ __forceinline__ void store_kv(const FagenBwdParams& p,
-                                                    const float (&acc)[kKeyTiles][kKVTiles][4], void* out,
+                                                    const float (&acc)[kKeyTiles][kTiles][4], void* out,
                                                     long long batch_stride, long long row_stride,
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {

@@ -30,27 +30,29 @@ struct Forward {
     using Ops = algo::ElementOps<Element>;
 
     static constexpr int kThreads = Config::kThreads;
-    static constexpr int kPitch = Config::kRowPitchBytes;
-    static constexpr int kVecsPerRow = Config::kHeadDim / 8;  // 16-byte vectors per row
+    static constexpr int kPitch = Config::kRowPitchBytes;     // Q and K rows (and O's staging)
+    static constexpr int kVPitch = Config::kVRowPitchBytes;   // V rows
+    static constexpr int kOVecsPerRow = Config::kHeadDimV / 8;  // 16-byte vectors per O row
     static constexpr int kMTiles = Config::kWarpRows / 16;    // m16 tiles per warp
     static constexpr int kSTiles = Config::kBlockN / 8;       // n8 tiles of S
-    static constexpr int kOTiles = Config::kHeadDim / 8;      // n8 tiles of O
+    static constexpr int kOTiles = Config::kHeadDimV / 8;     // n8 tiles of O
     static constexpr int kQKSteps = Config::kHeadDim / 16;    // k16 steps of Q K^T
     static constexpr int kPVSteps = Config::kBlockN / 16;     // k16 steps of P V
 
     static_assert(Config::kWarpRows % 16 == 0, "a warp owns whole m16 tiles");
-    static_assert(Config::kHeadDim % 16 == 0 && Config::kBlockN % 16 == 0,
+    static_assert(Config::kHeadDim % 16 == 0 && Config::kHeadDimV % 16 == 0 && Config::kBlockN % 16 == 0,
                   "ldmatrix.x4 loads operand pairs of 16 columns");
-    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1,
+    static_assert(kPitch % 16 == 0 && (kPitch / 16) % 2 == 1 && kVPitch % 16 == 0 && (kVPitch / 16) % 2 == 1,
                   "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
+    static_assert(Config::kHeadDimV <= Config::kHeadDim, "O is staged through Q's rows");
     static_assert(Config::kStages >= 1);
 
-    template <int kRows>
+    template <int kRows, int kCols = Config::kHeadDim, int kRowPitch = kPitch>
     static __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src,
                                                      long long row_stride, int rows_valid,
                                                      int tid) {
-        algo::load_rows<Element, kRows, Config::kHeadDim, kPitch, kThreads>(smem, src, row_stride,
-                                                                            rows_valid, tid);
+        algo::load_rows<Element, kRows, kCols, kRowPitch, kThreads>(smem, src, row_stride,
+                                                                    rows_valid, tid);
     }
 
     static __device__ void run(const FagenFwdParams& p, char* smem) {
@@ -76,7 +78,7 @@ struct Forward {
         const int rows_valid = p.seqlen_q - row_begin;
 
         if (n_blocks <= 0) {
-            algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDim, kThreads>(
+            algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDimV, kThreads>(
                 o, p.o_row_stride, lse, rows_valid, tid, Config::kSinks ? p.sinks[head] : algo::neg_inf());
             return;
         }
@@ -91,11 +93,18 @@ struct Forward {
         const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
         const uint32_t smem_kv = smem_q + Config::kSmemQBytes;
 
-        // K (or V) rows of the j-th visited block (block blocks.end-1-j) into `dst`.
-        auto load_block = [&](uint32_t dst, const Element* src, long long row_stride, int j) {
-            const int key_begin = (blocks.end - 1 - j) * Config::kBlockN;
-            load_rows<Config::kBlockN>(dst, src + key_begin * row_stride, row_stride,
-                                       p.seqlen_k - key_begin, tid);
+        // K rows (head_dim columns) and V rows (head_dim_v) of the j-th visited block (block
+        // blocks.end-1-j) into `dst`.
+        auto key_begin_of = [&](int j) { return (blocks.end - 1 - j) * Config::kBlockN; };
+        auto load_k = [&](uint32_t dst, int j) {
+            const int key_begin = key_begin_of(j);
+            load_rows<Config::kBlockN, Config::kHeadDim, kPitch>(
+                dst, k + key_begin * p.k_row_stride, p.k_row_stride, p.seqlen_k - key_begin, tid);
+        };
+        auto load_v = [&](uint32_t dst, int j) {
+            const int key_begin = key_begin_of(j);
+            load_rows<Config::kBlockN, Config::kHeadDimV, kVPitch>(
+                dst, v + key_begin * p.v_row_stride, p.v_row_stride, p.seqlen_k - key_begin, tid);
         };
         // Ring slot of the j-th visited block: its K rows, then its V rows.
         auto k_slot = [&](int j) {
@@ -105,14 +114,14 @@ struct Forward {
 
         load_rows<Config::kBlockM>(smem_q, q, p.q_row_stride, rows_valid, tid);
         if constexpr (Config::kStages == 1) {
-            load_block(k_slot(0), k, p.k_row_stride, 0);
+            load_k(k_slot(0), 0);
             ptx::cp_async_commit_group();
         } else {
 #pragma unroll
             for (int j = 0; j < Config::kStages - 1; ++j) {
                 if (j < n_blocks) {
-                    load_block(k_slot(j), k, p.k_row_stride, j);
-                    load_block(v_slot(j), v, p.v_row_stride, j);
+                    load_k(k_slot(j), j);
+                    load_v(v_slot(j), j);
                 }
                 ptx::cp_async_commit_group();  // one group per slot, empty or not: counts stay exact
             }
@@ -122,7 +131,7 @@ struct Forward {
         // Q as the A operand, K as B of Q K^T (non-transposed), V as B of P V (transposed).
         const uint32_t q_lane = (warp_row + lane % 16) * kPitch + (lane / 16) * 16;
         const uint32_t k_lane = (lane % 8 + 8 * (lane / 16)) * kPitch + ((lane / 8) % 2) * 16;
-        const uint32_t v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + (lane / 16) * 16;
+        const uint32_t v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * kVPitch + (lane / 16) * 16;
 
         float acc_o[kMTiles][kOTiles][4];
         algo::clear_fragment(acc_o);
@@ -135,7 +144,7 @@ struct Forward {
                 // buffer V_j now fills while Q K_j^T runs.
                 ptx::cp_async_wait_group<0>();
                 __syncthreads();
-                load_block(v_slot(j), v, p.v_row_stride, j);
+                load_v(v_slot(j), j);
                 ptx::cp_async_commit_group();
             } else {
                 ptx::cp_async_wait_group<Config::kStages - 2>();
@@ -143,8 +152,8 @@ struct Forward {
                 // whose slot the next load overwrites.
                 __syncthreads();
                 if (j + Config::kStages - 1 < n_blocks) {
-                    load_block(k_slot(j + Config::kStages - 1), k, p.k_row_stride, j + Config::kStages - 1);
-                    load_block(v_slot(j + Config::kStages - 1), v, p.v_row_stride, j + Config::kStages - 1);
+                    load_k(k_slot(j + Config::kStages - 1), j + Config::kStages - 1);
+                    load_v(v_slot(j + Config::kStages - 1), j + Config::kStages - 1);
                 }
                 ptx::cp_async_commit_group();
             }
@@ -182,7 +191,7 @@ struct Forward {
                 // softmax and P V_j.
                 ptx::cp_async_wait_group<0>();
                 __syncthreads();
-                if (j + 1 < n_blocks) load_block(k_slot(j + 1), k, p.k_row_stride, j + 1);
+                if (j + 1 < n_blocks) load_k(k_slot(j + 1), j + 1);
                 ptx::cp_async_commit_group();
             }
 
@@ -200,7 +209,7 @@ struct Forward {
 #pragma unroll
                 for (int dp = 0; dp < kOTiles / 2; ++dp) {
                     uint32_t b[4];
-                    ptx::ldmatrix_x4_trans(b, smem_v + v_lane + kk * 16 * kPitch + dp * 32);
+                    ptx::ldmatrix_x4_trans(b, smem_v + v_lane + kk * 16 * kVPitch + dp * 32);
                     const uint32_t b_lo[2] = {b[0], b[1]};
                     const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
@@ -231,11 +240,11 @@ struct Forward {
             *reinterpret_cast<uint32_t*>(smem + (warp_row + c.row) * kPitch + c.col * 2) = Ops::pack(lo, hi);
         });
         __syncwarp();
-        constexpr int kWarpVecs = Config::kWarpRows * kVecsPerRow;
+        constexpr int kWarpVecs = Config::kWarpRows * kOVecsPerRow;
 #pragma unroll
         for (int idx = lane; idx < kWarpVecs; idx += 32) {
-            const int row = idx / kVecsPerRow;
-            const int vec = idx % kVecsPerRow;
+            const int row = idx / kOVecsPerRow;
+            const int vec = idx % kOVecsPerRow;
             if (warp_row + row < rows_valid) {
                 *reinterpret_cast<uint4*>(o + (warp_row + row) * o_row_stride + vec * 8) =
                     *reinterpret_cast<const uint4*>(smem + (warp_row + row) * kPitch + vec * 16);

@@ -72,7 +72,7 @@ struct Backward {
     using Ops = algo::ElementOps<Element>;
     using Mask = algo::AttentionMask<Config::kMask>;
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
-    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kBwdRowsPerCta,
+    using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks>;
     using Order = algo::TileOrder<Config::kMask, Config::kBlockM, Config::kBlockN>;
 

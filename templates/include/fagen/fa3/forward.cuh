@@ -23,8 +23,8 @@
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): kQStages Q tiles (two
 // with kEarlyFirstQk, so that the next tile's Q is loaded a tile ahead), then kStages K tiles,
-// then kStages V tiles, then the mbarriers. A tile of R rows x head_dim columns is
-// head_dim/64 column chunks, each R rows of 128 bytes, as TMA writes them.
+// then kStages V tiles, then the mbarriers. A tile of R rows x D columns (Q and K: head_dim; V:
+// head_dim_v) is D/64 column chunks, each R rows of 128 bytes, as TMA writes them.
 #pragma once
 
 #include "fagen/algo/mask.cuh"
@@ -57,26 +57,29 @@ struct Forward {
     using Element = typename Config::Element;
     using Ops = algo::ElementOps<Element>;
 
-    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
+    static constexpr int kHeadDimV = Config::kHeadDimV;  // V and O columns
     static constexpr int kBlockM = Config::kBlockM;
     static constexpr int kBlockN = Config::kBlockN;
     static constexpr int kStages = Config::kStages;
     static constexpr int kQStages = Config::kQStages;
     static constexpr int kConsumers = kBlockM / 64;
     static constexpr int kConsumerThreads = kConsumers * 128;
-    static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks
+    static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks of Q, K
+    static constexpr int kVChunks = kHeadDimV / 64;      // and of V
     static constexpr int kSTiles = kBlockN / 8;          // n8 tiles of S per warp
-    static constexpr int kOTiles = kHeadDim / 8;         // n8 tiles of O per warp
+    static constexpr int kOTiles = kHeadDimV / 8;        // n8 tiles of O per warp
     // n8 tiles of the O accumulator: O, and with kMmaRowSum the row sums of P after it.
     static constexpr int kOAccTiles = Config::kPVColumns / 8;
     static constexpr int kPSteps = kBlockN / 16;         // k16 steps of P V
     static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;   // a K tile
+    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * 2;   // a V tile
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
 
     static_assert(kBlockM % 64 == 0 && kConsumers >= 2 && kConsumers <= 3);
-    static_assert(kHeadDim % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
+    static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
     static_assert(kBlockN % 16 == 0);
     static_assert(Config::kThreads == (kConsumers + 1) * 128, "a producer warpgroup + the consumers");
     static_assert(!Config::kPingpong || kConsumers == 2, "ping-pong alternates two consumers");
@@ -85,7 +88,7 @@ struct Forward {
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQStages * kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
-    static_assert(Config::kSmemVStageBytes == kKVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
+    static_assert(Config::kSmemVStageBytes == kVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
     static_assert(Config::kSmemBarrierOffset ==
                   Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
     static_assert(!Config::kEarlyFirstQk || !Config::kPingpong,
@@ -108,7 +111,7 @@ struct Forward {
         __device__ uint32_t v_tile(int s) const { return v + s * Config::kSmemVStageBytes; }
         // kMmaRowSum: the chunk of ones after V tile s, at V's chunk stride (block_n rows of
         // 128 bytes), so that one descriptor reads V and then the ones as the next 64 columns.
-        __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kKVBytes; }
+        __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kVBytes; }
     };
 
     using Scheduler = algo::TileScheduler<Config::kMask, true>;
@@ -143,7 +146,7 @@ struct Forward {
         algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
                                      w.kv_head, w.batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-        algo::tma_load_tile<kChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
+        algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
                                      w.kv_head, w.batch);
     }
 
@@ -154,7 +157,7 @@ struct Forward {
     struct Descriptors {
         unsigned long long q;  // A of Q K^T: the consumer's 64 rows of Q (K-major)
         unsigned long long k;  // B of Q K^T: K tile (K-major, N = keys)
-        unsigned long long v;  // B of P V: V tile read MN-major (N = head_dim contiguous)
+        unsigned long long v;  // B of P V: V tile read MN-major (N = head_dim_v contiguous)
     };
 
     static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer, int q) {
@@ -408,7 +411,7 @@ struct Forward {
     // Query rows that see no key at all (algo/mask.cuh): O = 0, LSE = -inf (with a sink: its logit).
     // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
-        algo::write_empty_rows<Element, kBlockM, kHeadDim, kConsumerThreads>(
+        algo::write_empty_rows<Element, kBlockM, kHeadDimV, kConsumerThreads>(
             algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
             algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin, thread,
             Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
