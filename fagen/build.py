@@ -11,8 +11,9 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from .bundle.format import Manifest, sha256_bytes
 from .bundle.writer import BundleWriter
 from .codegen import RenderedKernel, render
 from .compiler import (
-    CachedKernel, CompileError, KernelCache, NvrtcOptions, PtxasResources, cache_root,
-    compile_kernel, compiler_versions, options_for, sass_families, sass_problems,
+    CachedKernel, CompiledKernel, CompileError, KernelCache, NvrtcOptions, PtxasResources,
+    cache_root, compile_kernel, compiler_versions, options_for, sass_families_of, sass_problems,
     toolchain_versions, tree_digest,
 )
 from .contract import KernelEntry, Resources
@@ -87,21 +88,49 @@ def _skipped_records(expansion: Expansion) -> tuple[dict, ...]:
 
 def _build_one(
     rendered: RenderedKernel, source_dir: Path, options: NvrtcOptions, cache: KernelCache
-) -> tuple[CachedKernel, bool]:
+) -> tuple[CachedKernel | CompiledKernel, bool]:
+    """(the cached kernel, True) on a cache hit; else (the compiled kernel, False), whose SASS
+    _check_sass still has to read before it is cached."""
     key = cache.key(rendered, options)
     if (hit := cache.get(key)) is not None:
         return hit, True
-    compiled = compile_kernel(rendered, source_dir, options)
-    families = tuple(sorted(sass_families(compiled.cubin)))
-    required = rendered.spec.REQUIRED_SASS
-    if problems := sass_problems(set(families), required):
-        raise CompileError(
-            f"{rendered.name}: " + "; ".join(problems) + f" (SASS families: {', '.join(families)})",
-            compiled.log, source_dir / f"{rendered.name}.cu",
-        )
-    kernel = CachedKernel(compiled.cubin, compiled.resources, families, compiled.seconds)
-    cache.put(key, kernel)
-    return kernel, False
+    return compile_kernel(rendered, source_dir, options), False
+
+
+# How many compiled kernels of one target share an nvdisasm (fagen.compiler.sass: its start-up
+# costs more than decoding a kernel); fewer wait for the last batch at the end of a build.
+SASS_BATCH = 8
+
+
+def _check_sass(
+    batch: Sequence[tuple[RenderedKernel, CompiledKernel]], staging: Path,
+    options: NvrtcOptions, cache: KernelCache,
+) -> list[CachedKernel]:
+    """Read the SASS families of compiled kernels of one target, refuse those that lack their
+    algorithm's families or use local memory, and cache the others; in `batch` order."""
+    target = ARCHS[batch[0][0].spec.arch].nvrtc_arch
+    families_of = sass_families_of([c.cubin for _, c in batch], target)
+    kernels = []
+    for (rendered, compiled), found in zip(batch, families_of):
+        families = tuple(sorted(found))
+        if problems := sass_problems(set(families), rendered.spec.REQUIRED_SASS):
+            raise CompileError(
+                f"{rendered.name}: " + "; ".join(problems) + f" (SASS families: {', '.join(families)})",
+                compiled.log, staging / "src" / rendered.spec.arch.value / f"{rendered.name}.cu",
+            )
+        kernel = CachedKernel(compiled.cubin, compiled.resources, families, compiled.seconds)
+        cache.put(cache.key(rendered, options), kernel)
+        kernels.append(kernel)
+    return kernels
+
+
+def _expected_seconds(spec: KernelSpec) -> float:
+    """A rough compile time, only to start the slow compiles first (so that no long one is left
+    running alone at the end): per-kernel means of a cold default build on 2 cores (2026-12-02,
+    NVRTC 13.5): FA3 backward 1.2 s, FA3 forward 0.8, FA2 backward 0.7, FA2 forward 0.5; larger
+    head dims take longer."""
+    base = {(3, "bwd"): 1.2, (3, "fwd"): 0.8, (2, "bwd"): 0.7, (2, "fwd"): 0.5}
+    return base.get((spec.fa_version, spec.direction), 1.0) * (0.75 + spec.head_dim / 512)
 
 
 def _entry(spec: KernelSpec, kernel: CachedKernel) -> KernelEntry:
@@ -135,32 +164,67 @@ def _kernel_build(spec: KernelSpec, kernel: CachedKernel, cached: bool) -> Kerne
 
 def _compile_all(
     rendered: list[RenderedKernel], options: dict[Arch, NvrtcOptions], staging: Path, jobs: int,
-    cache: KernelCache, progress: ProgressCallback | None,
+    cache: KernelCache, progress: ProgressCallback | None, order: Sequence[int] | None = None,
 ) -> list[tuple[CachedKernel, bool]]:
-    """(kernel, came from the cache) per rendered kernel, in order; the first failure raises."""
+    """(kernel, came from the cache) per rendered kernel, in order; the first failure raises.
+
+    `jobs` tasks run at a time and nothing waits in the pool's queue: compiles in `order`
+    (default: as given), and SASS checks of up to SASS_BATCH compiled kernels of one target,
+    which start before the next compile once a batch is full or no compile is left to start.
+    """
     results: list[tuple[CachedKernel, bool] | None] = [None] * len(rendered)
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="fagen-nvrtc") as pool:
-        futures = {
-            pool.submit(_build_one, r, staging / "src" / r.spec.arch.value, options[r.spec.arch],
-                        cache): i
-            for i, r in enumerate(rendered)
-        }
-        pending = set(futures)
+    to_compile = deque(range(len(rendered)) if order is None else order)
+    unchecked: dict[Arch, list[tuple[int, CompiledKernel]]] = {}  # compiled, SASS not read yet
+    running: dict[Future, tuple[str, object]] = {}
+    workers = max(1, jobs)
+
+    def finished(index: int, kernel: CachedKernel, cached: bool) -> None:
+        results[index] = (kernel, cached)
+        if progress is not None:
+            progress(_kernel_build(rendered[index].spec, kernel, cached),
+                     sum(r is not None for r in results), len(rendered))
+
+    def submit_next(pool: ThreadPoolExecutor) -> bool:
+        for arch, waiting in unchecked.items():
+            if len(waiting) >= SASS_BATCH or (waiting and not to_compile):
+                batch, unchecked[arch] = waiting[:SASS_BATCH], waiting[SASS_BATCH:]
+                items = [(rendered[i], kernel) for i, kernel in batch]
+                future = pool.submit(_check_sass, items, staging, options[arch], cache)
+                running[future] = ("sass", [i for i, _ in batch])
+                return True
+        if to_compile:
+            index = to_compile.popleft()
+            r = rendered[index]
+            future = pool.submit(_build_one, r, staging / "src" / r.spec.arch.value,
+                                 options[r.spec.arch], cache)
+            running[future] = ("compile", index)
+            return True
+        return False
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fagen-nvrtc") as pool:
         try:
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            while True:
+                while len(running) < workers and submit_next(pool):
+                    pass
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
+                    kind, what = running.pop(future)
                     if future.exception() is not None:
                         raise future.exception()
-                    index = futures[future]
-                    results[index] = future.result()
-                    if progress is not None:
-                        kernel, cached = results[index]
-                        progress(_kernel_build(rendered[index].spec, kernel, cached),
-                                 sum(r is not None for r in results), len(rendered))
+                    if kind == "sass":
+                        for index, kernel in zip(what, future.result()):
+                            finished(index, kernel, False)
+                        continue
+                    kernel, cached = future.result()
+                    if cached:
+                        finished(what, kernel, True)
+                    else:
+                        unchecked.setdefault(rendered[what].spec.arch, []).append((what, kernel))
         except BaseException:
             # A failure or Ctrl-C (KeyboardInterrupt reaches this thread, inside wait()): drop
-            # the queue, so that leaving the pool waits only for the compiles already running
+            # what is queued, so that leaving the pool waits only for the tasks already running
             # (an NVRTC call cannot be stopped halfway; letting it end leaves no temporary files).
             pool.shutdown(wait=False, cancel_futures=True)
             raise
@@ -199,7 +263,10 @@ def build_bundle(
             writer.write(f"src/{r.spec.arch.value}/{r.name}.cu", r.source)
         options = {arch: options_for(arch) for arch in {r.spec.arch for r in rendered}}
         try:
-            built = _compile_all(rendered, options, writer.staging, jobs, cache, progress)
+            # The slow compiles first: a long one started last would run alone at the end.
+            order = sorted(range(len(rendered)),
+                           key=lambda i: -_expected_seconds(rendered[i].spec))
+            built = _compile_all(rendered, options, writer.staging, jobs, cache, progress, order)
         except CompileError as exc:
             staging = writer.keep_failed()
             raise _in_failed_dir(exc, staging, writer.failed_dir) from None

@@ -6,12 +6,12 @@ from .headers import bundled_include_dirs, cache_root, nvrtc_version
 from .nvrtc import CompiledKernel, compile_kernel
 from .options import NvrtcOptions, options_for
 from .resources import PtxasResources, parse_ptxas_log
-from .sass import sass_families, sass_problems
+from .sass import sass_families, sass_families_of, sass_problems
 from .toolchain import compiler_versions, toolchain_versions
 
 __all__ = [
     "CachedKernel", "KernelCache", "tree_digest", "compiler_versions", "toolchain_versions",
     "CompileError", "ToolchainError", "bundled_include_dirs", "cache_root", "nvrtc_version",
     "CompiledKernel", "compile_kernel", "NvrtcOptions", "options_for", "PtxasResources",
-    "parse_ptxas_log", "sass_families", "sass_problems",
+    "parse_ptxas_log", "sass_families", "sass_families_of", "sass_problems",
 ]
