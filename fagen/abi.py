@@ -12,7 +12,8 @@ import ctypes
 # 3: window_left, window_right (the mask's band, contract.Mask).
 # 4: the score modifiers (contract.Score): softcap_scale, alibi_slopes, alibi_batch_stride, sinks;
 #    the backward's dsinks and sink_partials.
-ABI_VERSION = 4
+# 5: mask_args (a custom mask's device arguments).
+ABI_VERSION = 5
 
 _c_longlong = ctypes.c_longlong
 
@@ -21,8 +22,8 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
     return [(f"{t}_{dim}_stride", _c_longlong) for t in tensors for dim in ("batch", "row", "head")]
 
 
-# The fields both structs end with: the LSE's strides and the problem's sizes, scale, mask and
-# score modifiers.
+# The fields both structs end with: the LSE's strides and the problem's sizes, scale, mask, score
+# modifiers and a custom mask's arguments.
 _PROBLEM = [
     ("lse_batch_stride", _c_longlong),
     ("lse_head_stride", _c_longlong),
@@ -38,6 +39,7 @@ _PROBLEM = [
     ("alibi_slopes", ctypes.c_void_p),
     ("alibi_batch_stride", _c_longlong),
     ("sinks", ctypes.c_void_p),
+    ("mask_args", ctypes.c_void_p),
 ]
 
 

@@ -29,8 +29,13 @@ from pathlib import PurePosixPath
 
 DIRECTIONS = ("fwd", "bwd")
 DTYPES = ("fp16", "bf16")
-# The kinds of mask (templates/include/fagen/algo/mask.cuh: MaskKind), in its order.
+# The built-in masks (templates/include/fagen/algo/mask.cuh: MaskKind), in its order: what a
+# call's causal and window_size select (call_mask).
 MASKS = ("full", "causal", "local")
+# MaskKind's members: the built-in masks, then `custom`, the kind of every user mask (a spec's
+# `masks:`), which a key spells by the user's name for it (custom_mask_name_problem).
+MASK_KINDS = MASKS + ("custom",)
+_CUSTOM_MASK_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # The score modifiers (templates/include/fagen/algo/score.cuh: softcap, ALiBi; the sinks of
 # algo/online_softmax.cuh and the backward's algo/backward_rows.cuh), in the order a key spells
 # them.
@@ -40,16 +45,27 @@ SCORE_MODS = ("softcap", "alibi", "sinks")
 # variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name).
 KEY_FORMAT = "{direction}/{dtype}/hd{head_dims}/{variant}"
 _KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dims": "[0-9]+(?:v[0-9]+)?",
-               "variant": "[a-z+]+"}
+               "variant": "[a-z0-9_+]+"}
 _KEY = re.compile("^" + "".join(
     re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
     for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT)) + "$")
 
 
+def custom_mask_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a user's mask (in a spec's `masks:`, a key, a call), or None:
+    lower case letters, digits and _, a letter first, and none of the built-in names."""
+    if not isinstance(name, str) or not _CUSTOM_MASK_NAME.match(name):
+        return f"mask name {name!r}: lower-case letters, digits and _, starting with a letter"
+    if name in MASK_KINDS or name in SCORE_MODS or name == "none":
+        return f"mask name {name!r}: taken by a built-in mask or score modifier"
+    return None
+
+
 def variant_name(mask: str, mods: tuple[str, ...] = ()) -> str:
-    """The mask and the score modifiers (in SCORE_MODS order) as a key spells them."""
-    if mask not in MASKS:  # e.g. a causal flag where the mask's kind belongs
-        raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}")
+    """The mask (a built-in one, or a user's mask by its name) and the score modifiers (in
+    SCORE_MODS order) as a key spells them."""
+    if mask not in MASKS and custom_mask_name_problem(mask):  # e.g. a causal flag
+        raise ValueError(f"mask={mask!r}: one of {', '.join(MASKS)}, or a custom mask's name")
     unknown = [mod for mod in mods if mod not in SCORE_MODS]
     if unknown:
         raise ValueError(f"score modifiers {unknown}: each one of {', '.join(SCORE_MODS)}")
@@ -71,7 +87,7 @@ class KernelKey:
     direction: str
     dtype: str
     head_dim: int  # q's and k's
-    mask: str  # one of MASKS
+    mask: str  # one of MASKS, or a custom mask's name
     mods: tuple[str, ...] = ()  # of SCORE_MODS, in its order
     head_dim_v: int | None = None  # v's and the output's where it differs from head_dim
 
@@ -89,7 +105,9 @@ class KernelKey:
         if found is None:
             return None
         mask, *mods = found["variant"].split("+")
-        if mask not in MASKS or tuple(mods) != tuple(m for m in SCORE_MODS if m in mods):
+        if mask not in MASKS and custom_mask_name_problem(mask):
+            return None
+        if tuple(mods) != tuple(m for m in SCORE_MODS if m in mods):
             return None
         head_dim, _, head_dim_v = found["head_dims"].partition("v")
         if head_dim_v == head_dim:  # spelled once where they agree
@@ -504,8 +522,9 @@ def render_contract_header() -> str:
         f"#define FAGEN_ACCUM_BYTES {ACCUM_BYTES}",
         f"#define FAGEN_ACCUM_BOX_COLUMNS {ACCUM_BOX_COLUMNS}",
         f"#define FAGEN_LOG2_E {LOG2_E!r}",
-        "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASKS. */",
-        *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASKS)),
+        "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASK_KINDS. A",
+        "   custom mask's key spells the user's name for it. */",
+        *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASK_KINDS)),
         "#define FAGEN_MASK_NAMES {" + ", ".join(f'"{name}"' for name in MASKS) + "}",
         "/* The score modifiers, in the order a key spells them; fagen/contract.py, SCORE_MODS. */",
         "#define FAGEN_SCORE_MOD_NAMES {" + ", ".join(f'"{name}"' for name in SCORE_MODS) + "}",

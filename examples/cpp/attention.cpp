@@ -1,14 +1,16 @@
 // Attention from C++ with a fagen bundle: random inputs on the host, the kernels through
 // fagen.hpp, the results checked against a CPU fp32 reference.
 //
-//   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--causal] [--window LEFT RIGHT]
+//   fagen_attention [--bundle DIR] [--dtype bf16|fp16] [--head-dim 64] [--head-dim-v N] [--causal]
+//                   [--window LEFT RIGHT]
 //                   [--softcap F] [--alibi] [--sinks]
 //                   [--batch 2] [--seqlen-q 300] [--seqlen-k 257] [--heads-q 4] [--heads-kv 2]
 //                   [--backward [--deterministic]] [--seed 0] [--tolerance T] [--dump DIR]
 //
 // The score modifiers (flash-attn's): --softcap F caps the scaled scores at F * tanh(score / F);
 // --alibi adds ALiBi's bias with the slopes 2^(-8 (h + 1) / heads_q); --sinks gives every query
-// head a sink logit 3 sin(h + 1) (and the backward its gradient).
+// head a sink logit 3 sin(h + 1) (and the backward its gradient). --head-dim-v N gives v and the
+// output a head dim of their own (DeepSeek-V3: --head-dim 192 --head-dim-v 128).
 // --backward also runs the backward (Bundle::attention_backward) on a random dout and checks
 // dq, dk, dv; --deterministic runs it in the deterministic mode.
 // Exit status: 0 when every max abs error is within the tolerance, 1 when one is not, 2 when
@@ -45,6 +47,7 @@ struct Options {
     float softcap = 0.0f;                     // 0: none
     bool alibi = false, sinks = false;
     int head_dim = 64, batch = 2, seqlen_q = 300, seqlen_k = 257, heads_q = 4, heads_kv = 2;
+    int head_dim_v = 0;  // v's and out's head dim where it differs (0: head_dim)
     unsigned seed = 0;
     double tolerance = -1.0;  // < 0: the default for the dtype
     std::string dump;
@@ -74,6 +77,7 @@ bool parse(int argc, char** argv, Options& o) {
             o.dtype = name == "bf16" ? fagen::DType::bf16 : fagen::DType::fp16;
         }
         else if (flag == "--head-dim") next_int(o.head_dim);
+        else if (flag == "--head-dim-v") next_int(o.head_dim_v);
         else if (flag == "--batch") next_int(o.batch);
         else if (flag == "--seqlen-q") next_int(o.seqlen_q);
         else if (flag == "--seqlen-k") next_int(o.seqlen_k);
@@ -84,8 +88,11 @@ bool parse(int argc, char** argv, Options& o) {
         else return false;
     }
     return !o.bundle.empty() && (o.backward || !o.deterministic) && o.batch > 0 && o.seqlen_q > 0 && o.seqlen_k > 0 && o.heads_kv > 0 &&
-           o.heads_q % o.heads_kv == 0 && o.head_dim > 0;
+           o.heads_q % o.heads_kv == 0 && o.head_dim > 0 && o.head_dim_v >= 0;
 }
+
+// v's and the output's head dim.
+int value_dim(const Options& o) { return o.head_dim_v > 0 ? o.head_dim_v : o.head_dim; }
 
 // Round-to-nearest-even conversions between fp32 and the kernels' 16-bit types.
 uint16_t to_bf16(float x) {
@@ -183,8 +190,8 @@ float logit(const Options& o, float dot, float scale, int h, int i, int j, float
 // head's sink in the denominator); a row that sees no key is zero.
 std::vector<float> reference_attention(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                                        float scale) {
-    const int d = o.head_dim, group = o.heads_q / o.heads_kv;
-    std::vector<float> out(q.values.size(), 0.0f), scores(o.seqlen_k);
+    const int d = o.head_dim, dv = value_dim(o), group = o.heads_q / o.heads_kv;
+    std::vector<float> out(size_t(o.batch) * o.seqlen_q * o.heads_q * dv, 0.0f), scores(o.seqlen_k);
     for (int b = 0; b < o.batch; ++b)
         for (int h = 0; h < o.heads_q; ++h)
             for (int i = 0; i < o.seqlen_q; ++i) {
@@ -201,10 +208,10 @@ std::vector<float> reference_attention(const Options& o, const HostTensor& q, co
                 }
                 float total = o.sinks ? std::exp(sink_logit(h) - max_score) : 0.0f;
                 for (int j = first_key; j <= last_key; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
-                float* orow = &out[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d];
+                float* orow = &out[((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * dv];
                 for (int j = first_key; j <= last_key; ++j) {
-                    const float* vrow = &v.values[((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d];
-                    for (int c = 0; c < d; ++c) orow[c] += scores[j] / total * vrow[c];
+                    const float* vrow = &v.values[((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * dv];
+                    for (int c = 0; c < dv; ++c) orow[c] += scores[j] / total * vrow[c];
                 }
             }
     return out;
@@ -220,7 +227,7 @@ struct Gradients {
 // gradient -sum over rows of P_sink * rowsum(dO * O).
 Gradients reference_backward(const Options& o, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                              const HostTensor& dout, float scale) {
-    const int d = o.head_dim, group = o.heads_q / o.heads_kv;
+    const int d = o.head_dim, dv = value_dim(o), group = o.heads_q / o.heads_kv;
     Gradients g{std::vector<float>(q.values.size(), 0.0f), std::vector<float>(k.values.size(), 0.0f),
                 std::vector<float>(v.values.size(), 0.0f), std::vector<float>(o.sinks ? o.heads_q : 0, 0.0f)};
     std::vector<float> probs(o.seqlen_k), dprobs(o.seqlen_k), dcaps(o.seqlen_k);
@@ -228,16 +235,16 @@ Gradients reference_backward(const Options& o, const HostTensor& q, const HostTe
         for (int h = 0; h < o.heads_q; ++h)
             for (int i = 0; i < o.seqlen_q; ++i) {
                 const size_t qi = ((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * d;
+                const size_t oi = ((size_t(b) * o.seqlen_q + i) * o.heads_q + h) * dv;  // dout's row
                 const auto [first_key, last_key] = visible_keys(o, i);
                 if (last_key < first_key) continue;
                 auto kv_row = [&](int j) { return ((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * d; };
+                auto v_row = [&](int j) { return ((size_t(b) * o.seqlen_k + j) * o.heads_kv + h / group) * dv; };
                 float max_score = o.sinks ? sink_logit(h) : -INFINITY, rowsum = 0.0f;
                 for (int j = first_key; j <= last_key; ++j) {
                     float dot = 0.0f, dp = 0.0f;
-                    for (int c = 0; c < d; ++c) {
-                        dot += q.values[qi + c] * k.values[kv_row(j) + c];
-                        dp += dout.values[qi + c] * v.values[kv_row(j) + c];
-                    }
+                    for (int c = 0; c < d; ++c) dot += q.values[qi + c] * k.values[kv_row(j) + c];
+                    for (int c = 0; c < dv; ++c) dp += dout.values[oi + c] * v.values[v_row(j) + c];
                     probs[j] = logit(o, dot, scale, h, i, j, dcaps[j]);
                     dprobs[j] = dp;
                     max_score = std::max(max_score, probs[j]);
@@ -254,8 +261,8 @@ Gradients reference_backward(const Options& o, const HostTensor& q, const HostTe
                     for (int c = 0; c < d; ++c) {
                         g.dq[qi + c] += ds * k.values[kv_row(j) + c];
                         g.dk[kv_row(j) + c] += ds * q.values[qi + c];
-                        g.dv[kv_row(j) + c] += probs[j] * dout.values[qi + c];
                     }
+                    for (int c = 0; c < dv; ++c) g.dv[v_row(j) + c] += probs[j] * dout.values[oi + c];
                 }
             }
     return g;
@@ -293,6 +300,7 @@ bool dump(const Options& o, const HostTensor& q, const HostTensor& k, const Host
          << ", \"window_size\": [" << o.window_left << ", " << o.window_right << "]"
          << ", \"batch\": " << o.batch << ", \"seqlen_q\": " << o.seqlen_q << ", \"seqlen_k\": " << o.seqlen_k
          << ", \"heads_q\": " << o.heads_q << ", \"heads_kv\": " << o.heads_kv << ", \"head_dim\": " << o.head_dim
+         << ", \"head_dim_v\": " << value_dim(o)
          << ", \"softmax_scale\": " << scale << ", \"softcap\": " << o.softcap << ", \"alibi_slopes\": [";
     for (int h = 0; o.alibi && h < o.heads_q; ++h) json << (h ? ", " : "") << alibi_slope(o, h);
     json << "], \"sinks\": [";
@@ -323,8 +331,9 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
                            std::vector<double>& errors, std::vector<std::vector<uint16_t>>& grads,
                            std::vector<float>& dsinks) {
     const fagen::Driver& cu = *fagen::driver().value();
-    const size_t q_count = q.bits.size(), kv_count = k.bits.size();
-    const HostTensor dout = random_tensor(q_count, o.dtype, rng);
+    const size_t q_count = q.bits.size(), kv_count = k.bits.size(), v_count = v.bits.size();
+    const size_t o_count = q_count / o.head_dim * value_dim(o);  // dout's elements, as the output's
+    const HostTensor dout = random_tensor(o_count, o.dtype, rng);
     fagen::AttentionBackward b;
     static_cast<fagen::Attention&>(b) = forward;
     const size_t workspace_bytes = fagen::Bundle::backward_workspace_bytes(b);
@@ -335,7 +344,7 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
         semaphore_bytes = bytes.value();
     }
     std::vector<std::pair<CUdeviceptr*, size_t>> allocations = {
-        {&b.dout, q_count * 2}, {&b.dq, q_count * 2}, {&b.dk, kv_count * 2}, {&b.dv, kv_count * 2},
+        {&b.dout, o_count * 2}, {&b.dq, q_count * 2}, {&b.dk, kv_count * 2}, {&b.dv, v_count * 2},
         {&b.workspace, workspace_bytes}};
     if (o.deterministic) allocations.emplace_back(&b.semaphores, semaphore_bytes);
     if (o.sinks) allocations.emplace_back(&b.dsinks, size_t(o.heads_q) * 4);
@@ -344,11 +353,11 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
     }
     const uint16_t nan_bits = o.dtype == fagen::DType::bf16 ? 0x7fc0 : 0x7e00;
     const fagen::Status setup[] = {
-        cu.check(cu.memcpy_htod(b.dout, dout.bits.data(), q_count * 2), "cuMemcpyHtoD(dout)"),
+        cu.check(cu.memcpy_htod(b.dout, dout.bits.data(), o_count * 2), "cuMemcpyHtoD(dout)"),
         // NaN in the gradients first, so an element the kernels never write fails the check.
         cu.check(cu.memset_d16(b.dq, nan_bits, q_count), "cuMemsetD16(dq)"),
         cu.check(cu.memset_d16(b.dk, nan_bits, kv_count), "cuMemsetD16(dk)"),
-        cu.check(cu.memset_d16(b.dv, nan_bits, kv_count), "cuMemsetD16(dv)"),
+        cu.check(cu.memset_d16(b.dv, nan_bits, v_count), "cuMemsetD16(dv)"),
         b.semaphores ? cu.check(cu.memset_d16(b.semaphores, 0, semaphore_bytes / 2), "cuMemsetD16(semaphores)")
                      : fagen::Status(),
     };
@@ -357,7 +366,7 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
     }
     if (fagen::Status s = bundle.attention_backward(b, nullptr); !s.ok()) return s;
     if (fagen::Status s = cu.check(cu.stream_synchronize(nullptr), "cuStreamSynchronize"); !s.ok()) return s;
-    grads = {dout.bits, std::vector<uint16_t>(q_count), std::vector<uint16_t>(kv_count), std::vector<uint16_t>(kv_count)};
+    grads = {dout.bits, std::vector<uint16_t>(q_count), std::vector<uint16_t>(kv_count), std::vector<uint16_t>(v_count)};
     const std::pair<CUdeviceptr, std::vector<uint16_t>*> results[] = {{b.dq, &grads[1]}, {b.dk, &grads[2]}, {b.dv, &grads[3]}};
     for (const auto& [pointer, host] : results) {
         if (fagen::Status s = cu.check(cu.memcpy_dtoh(host->data(), pointer, host->size() * 2), "cuMemcpyDtoH");
@@ -393,7 +402,7 @@ fagen::Status run_backward(const Options& o, fagen::Bundle& bundle, const fagen:
 int main(int argc, char** argv) {
     Options o;
     if (!parse(argc, argv, o)) {
-        std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--causal] [--window LEFT RIGHT] [--batch N] "
+        std::fprintf(stderr, "usage: %s [--bundle DIR] [--dtype bf16|fp16] [--head-dim N] [--head-dim-v N] [--causal] [--window LEFT RIGHT] [--batch N] "
                              "[--softcap F] [--alibi] [--sinks] [--seqlen-q N] [--seqlen-k N] [--heads-q N] [--heads-kv N (divides heads-q)] "
                              "[--backward [--deterministic]] [--seed N] [--tolerance T] [--dump DIR]\n", argv[0]);
         return 2;
@@ -407,21 +416,23 @@ int main(int argc, char** argv) {
         fagen::call_mask(o.causal, o.window_left, o.window_right, o.seqlen_q, o.seqlen_k);
     if (!mask.ok()) return fail(mask.status().message());
     const std::string variant = fagen::variant_name(mask.value().kind, o.softcap > 0, o.alibi, o.sinks);
-    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, variant), o.seqlen_k);
+    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, variant, o.head_dim_v), o.seqlen_k);
     if (!kernel.ok()) return fail(kernel.status().message());
     const char* kernel_name = kernel.value()->info().name;
 
     std::mt19937 rng(o.seed);
     const size_t q_count = size_t(o.batch) * o.seqlen_q * o.heads_q * o.head_dim;
     const size_t kv_count = size_t(o.batch) * o.seqlen_k * o.heads_kv * o.head_dim;
+    const size_t v_count = kv_count / o.head_dim * value_dim(o);
+    const size_t out_count = q_count / o.head_dim * value_dim(o);
     const size_t lse_count = size_t(o.batch) * o.heads_q * o.seqlen_q;
     const HostTensor q = random_tensor(q_count, o.dtype, rng);
     const HostTensor k = random_tensor(kv_count, o.dtype, rng);
-    const HostTensor v = random_tensor(kv_count, o.dtype, rng);
+    const HostTensor v = random_tensor(v_count, o.dtype, rng);
 
     fagen::Attention a;
     const std::pair<CUdeviceptr*, size_t> allocations[] = {
-        {&a.q, q_count * 2}, {&a.k, kv_count * 2}, {&a.v, kv_count * 2}, {&a.out, q_count * 2}, {&a.lse, lse_count * 4}};
+        {&a.q, q_count * 2}, {&a.k, kv_count * 2}, {&a.v, v_count * 2}, {&a.out, out_count * 2}, {&a.lse, lse_count * 4}};
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
     }
@@ -429,9 +440,9 @@ int main(int argc, char** argv) {
     const fagen::Status copies[] = {
         cu.check(cu.memcpy_htod(a.q, q.bits.data(), q_count * 2), "cuMemcpyHtoD(q)"),
         cu.check(cu.memcpy_htod(a.k, k.bits.data(), kv_count * 2), "cuMemcpyHtoD(k)"),
-        cu.check(cu.memcpy_htod(a.v, v.bits.data(), kv_count * 2), "cuMemcpyHtoD(v)"),
+        cu.check(cu.memcpy_htod(a.v, v.bits.data(), v_count * 2), "cuMemcpyHtoD(v)"),
         // NaN in the output first, so an element the kernel never writes fails the check.
-        cu.check(cu.memset_d16(a.out, nan_bits, q_count), "cuMemsetD16(out)"),
+        cu.check(cu.memset_d16(a.out, nan_bits, out_count), "cuMemsetD16(out)"),
     };
     for (const fagen::Status& s : copies) {
         if (!s.ok()) return fail(s.message());
@@ -447,6 +458,7 @@ int main(int argc, char** argv) {
     a.heads_q = o.heads_q;
     a.heads_kv = o.heads_kv;
     a.head_dim = o.head_dim;
+    a.head_dim_v = o.head_dim_v;
     const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
     a.softmax_scale = scale;
     a.softcap = o.softcap;
@@ -467,9 +479,9 @@ int main(int argc, char** argv) {
     if (fagen::Status s = bundle->attention(a, stream); !s.ok()) return fail(s.message());
     if (fagen::Status s = cu.check(cu.stream_synchronize(stream), "cuStreamSynchronize"); !s.ok()) return fail(s.message());
 
-    std::vector<uint16_t> out_bits(q_count);
+    std::vector<uint16_t> out_bits(out_count);
     std::vector<float> lse(lse_count);
-    if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, q_count * 2), "cuMemcpyDtoH(out)"); !s.ok())
+    if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, out_count * 2), "cuMemcpyDtoH(out)"); !s.ok())
         return fail(s.message());
     if (fagen::Status s = cu.check(cu.memcpy_dtoh(lse.data(), a.lse, lse_count * 4), "cuMemcpyDtoH(lse)"); !s.ok())
         return fail(s.message());
@@ -486,7 +498,7 @@ int main(int argc, char** argv) {
 
     const std::vector<float> expected = reference_attention(o, q, k, v, scale);
     double max_error = 0.0;
-    for (size_t i = 0; i < q_count; ++i) {
+    for (size_t i = 0; i < out_count; ++i) {
         const double error = std::fabs(static_cast<double>(to_float(out_bits[i], o.dtype)) - expected[i]);
         max_error = std::isnan(error) ? INFINITY : std::max(max_error, error);
     }

@@ -66,9 +66,14 @@ class Problem:
     window_size: tuple[int, int] = (-1, -1)
     score: contract.Score = contract.Score()
     head_dim_v: int | None = None
+    # A custom mask's name (a bundle's kernels built with it; its arguments are ScoreTensors'
+    # mask_args): it replaces causal and window_size, which stay False and (-1, -1).
+    mask_mod: str | None = None
 
     @property
     def mask(self) -> contract.Mask:
+        if self.mask_mod is not None:
+            return contract.Mask(self.mask_mod)
         return contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
 
     @property
@@ -89,12 +94,14 @@ class Problem:
 class ScoreTensors:
     """The device arrays of a call's score modifiers (0: not given): ALiBi slopes, fp32 of
     (heads_q,) with alibi_batch_stride 0 or of (batch, heads_q) with alibi_batch_stride heads_q;
-    sinks, fp32 (heads_q,); and a backward's dsinks, fp32 (heads_q,), which it writes."""
+    sinks, fp32 (heads_q,); a backward's dsinks, fp32 (heads_q,), which it writes; and a custom
+    mask's arguments (what its header's type reads, e.g. each token's document id)."""
 
     alibi_slopes: int = 0
     alibi_batch_stride: int = 0
     sinks: int = 0
     dsinks: int = 0
+    mask_args: int = 0
 
 
 def _check_score_tensors(problem: Problem, arrays: ScoreTensors, backward: bool = False) -> None:
@@ -124,6 +131,13 @@ def check_problem(problem: Problem) -> None:
         raise AttentionError(found)
     if problem.head_dim_v is not None and (found := contract.head_dim_problem(problem.head_dim_v, "head_dim_v")):
         raise AttentionError(found)
+    if problem.mask_mod is not None:
+        if found := contract.custom_mask_name_problem(problem.mask_mod):
+            raise AttentionError(found)
+        if problem.causal or tuple(problem.window_size) != (-1, -1):
+            raise AttentionError(f"mask_mod={problem.mask_mod!r} replaces causal and window_size: "
+                                 "leave them False and (-1, -1) (the custom mask decides which "
+                                 "pairs attend)")
     try:
         problem.mask
     except contract.MaskError as error:
@@ -200,7 +214,7 @@ def _score_fields(scale: contract.KernelScale, arrays: ScoreTensors) -> dict:
     """The score-modifier fields both parameter structs share (params.h)."""
     return dict(scale_log2=scale.scale_log2, softcap_scale=scale.softcap_scale,
                 alibi_slopes=arrays.alibi_slopes or None, alibi_batch_stride=arrays.alibi_batch_stride,
-                sinks=arrays.sinks or None)
+                sinks=arrays.sinks or None, mask_args=arrays.mask_args or None)
 
 
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -385,6 +399,9 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
         raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
                              "gradients of an empty attention are zeros, which the caller writes)")
     _check_score_tensors(problem, score_tensors, backward=True)
+    if problem.mask_mod is not None and semaphores:
+        raise AttentionError(f"mask_mod={problem.mask_mod!r}: the deterministic mode takes the built-in "
+                             "masks only (its dQ order follows their key ranges)")
     scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
     entry = entry or select_backward(bundle, problem, device)
     _check_entry(entry, problem.direction_key("bwd"))

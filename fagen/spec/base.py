@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -35,8 +36,36 @@ class EnumValue:
     member: str
 
 
-# The kernels' MaskKind (templates/include/fagen/algo/mask.cuh) of each contract.MASKS name.
-MASK_KINDS = {"full": "kFull", "causal": "kCausal", "local": "kLocal"}
+# The kernels' MaskKind (templates/include/fagen/algo/mask.cuh) of each contract.MASK_KINDS name.
+MASK_KINDS = {"full": "kFull", "causal": "kCausal", "local": "kLocal", "custom": "kCustom"}
+_CPP_TYPE = re.compile(r"^(::)?[A-Za-z_][A-Za-z0-9_]*(::[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class CustomMask(BaseModel):
+    """A user's mask, compiled into the kernel ahead of time: its header's text, the type in it
+    that templates/include/fagen/algo/mask.cuh's CustomMask wraps, and the name a key spells it
+    by. A spec file declares it under `masks:` (header path and type); the kernel's spec then
+    carries the header's text itself, so that the kernel's name and hash follow its content."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="the mask's name in keys and calls (e.g. document)")
+    type: str = Field(description="the C++ type in the header (e.g. DocumentMask)")
+    source: str = Field(description="the header's text")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if problem := contract.custom_mask_name_problem(value):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        if not _CPP_TYPE.match(value):
+            raise ValueError(f"type={value!r}: a C++ type name (e.g. DocumentMask or ns::DocumentMask)")
+        return value
 
 
 @dataclass(frozen=True)
@@ -184,7 +213,8 @@ class KernelSpec(BaseModel):
     REQUIRED_SASS: ClassVar[tuple[str, ...]]
     # The algorithm's tuning rows (fagen/spec/tuning.py resolves `tile: auto` from them).
     TUNING_ROWS: ClassVar[tuple] = ()
-    # The masks (contract.MASKS) the algorithm's kernels implement, and why not the others.
+    # The masks (contract.MASK_KINDS) the algorithm's kernels implement, and why not the others;
+    # `custom` (a user's mask) only where an algorithm says so.
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = ""
     # The score modifiers (contract.SCORE_MODS) the algorithm's kernels implement, and why not
@@ -205,11 +235,15 @@ class KernelSpec(BaseModel):
         None, description="v's and the output's last dimension where it differs from head_dim "
         "(DeepSeek-V3's prefill: head_dim 192, head_dim_v 128); omit (or give head_dim) for the "
         "same. FA2 and FA3 take head_dim_v <= head_dim, each a head dim of the algorithm")
-    mask: Literal[contract.MASKS] = Field(
+    mask: Literal[contract.MASK_KINDS] = Field(
         "full", description="which (query, key) pairs attend (templates/include/fagen/algo/"
         "mask.cuh): full, causal (bottom-right aligned) or local (a sliding window, its sizes "
-        "given at run time; causal with a window is local too). `causal: true` is shorthand for "
-        "mask: causal, `causal: false` for mask: full")
+        "given at run time; causal with a window is local too), or in a spec file the name of "
+        "one of its `masks:` (a user's mask, compiled in: kind custom). `causal: true` is "
+        "shorthand for mask: causal, `causal: false` for mask: full")
+    custom_mask: CustomMask | None = Field(
+        None, description="with mask: custom, the user's mask (a spec file fills it in from its "
+        "`masks:` section)")
     score: tuple[Literal[contract.SCORE_MODS], ...] = Field(
         (), description="the score modifiers built in (templates/include/fagen/algo/score.cuh), "
         "joined by + as a key spells them, e.g. softcap+sinks: softcap (scores -> softcap * "
@@ -243,6 +277,8 @@ class KernelSpec(BaseModel):
             data.pop("score", None)
         if data.get("head_dim_v") is None:
             data.pop("head_dim_v", None)
+        if data.get("custom_mask") is None:
+            data.pop("custom_mask", None)
         if data.get("mask") in ("full", "causal"):
             data["causal"] = data.pop("mask") == "causal"
         return data
@@ -288,7 +324,7 @@ class KernelSpec(BaseModel):
         if head_dim_v is not None and (problem := cls.head_dim_v_problem(head_dim, head_dim_v)):
             raise ValueError(problem)
         cls._check_arch(arch)
-        if mask in contract.MASKS:
+        if mask in contract.MASK_KINDS:
             cls._check_mask(mask)
         tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score, head_dim_v)
         return {**data, "tile": tile.model_dump()}
@@ -340,8 +376,9 @@ class KernelSpec(BaseModel):
     @classmethod
     def _check_mask(cls, value: str) -> str:
         if value not in cls.MASKS:
+            why = f" ({cls.WHY_MASKS})" if cls.WHY_MASKS else ""
             raise ValueError(f"mask={value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} has the "
-                             f"{', '.join(cls.MASKS)} masks only ({cls.WHY_MASKS})")
+                             f"{', '.join(cls.MASKS)} masks only{why}")
         return value
 
     @field_validator("score", mode="before")
@@ -363,6 +400,13 @@ class KernelSpec(BaseModel):
             raise ValueError(f"score: {', '.join(missing)}: fa_version={cls.FA_VERSION} {cls.DIRECTION} "
                              f"takes {takes} ({cls.WHY_SCORE_MODS})")
         return tuple(mod for mod in contract.SCORE_MODS if mod in value)
+
+    @model_validator(mode="after")
+    def _check_custom_mask(self) -> "KernelSpec":
+        if (self.mask == "custom") != (self.custom_mask is not None):
+            raise ValueError("mask: custom and custom_mask come together (a spec file's `masks:` "
+                             "entry gives both)")
+        return self
 
     @model_validator(mode="after")
     def _check_geometry(self) -> "KernelSpec":
@@ -429,10 +473,22 @@ class KernelSpec(BaseModel):
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
-        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.score,
+        return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask_name, self.score,
                                    self.head_dim_v)
+
+    @property
+    def mask_name(self) -> str:
+        """The mask as keys spell it: a built-in mask, or a custom mask's name."""
+        return self.custom_mask.name if self.custom_mask is not None else self.mask
+
+    @property
+    def mask_type(self) -> str:
+        """The C++ type of the kernel's mask (its Config::Mask)."""
+        if self.custom_mask is not None:
+            return f"fagen::algo::CustomMask<{self.custom_mask.type}>"
+        return "fagen::algo::AttentionMask<kMask>"
 
     @property
     def variant(self) -> str:
         """The mask and score modifiers, as the key spells them (e.g. local+softcap)."""
-        return contract.variant_name(self.mask, self.score)
+        return contract.variant_name(self.mask_name, self.score)

@@ -157,6 +157,9 @@ TUNING: tuple[TuningRow, ...] = (
               "any score modifier: the 128 x 32 tile below (247 registers) spilled 16-24 bytes "
               "with a modifier's registers on sm90 (sinks, ALiBi; 2026-12-02)",
               score=("softcap", "alibi", "sinks")),
+    TuningRow(Fa2Tile(block_m=64, block_n=64, warps=4, stages=2), 128,
+              "a custom mask: the 128 x 32 tile below spilled 36 bytes with the document mask's "
+              "element mask on every block (2026-12-02)", mask="custom"),
     TuningRow(Fa2Tile(block_m=128, block_n=32, warps=4, stages=2), 128,
               "32 rows per warp with block_n 32 keeps O (128) + S (32) under 255 regs (244-253, "
               "no spills on sm80/86/90): 0.94x/0.97x SDPA-FA2 against 0.82x/0.81x for 16 rows "
@@ -178,6 +181,7 @@ class Fa2ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa2_fwd_sm80.cu.j2"

@@ -196,6 +196,13 @@ TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
                          warp_queries=32), 64,
               "softcap or ALiBi on sm80's 163 KB: one Q / dO stage", score=("softcap", "alibi")),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 64,
+              "a custom mask: the 128 x 128 tile below spilled 12 bytes with the document mask's "
+              "element mask on every step (2026-12-02); 228 regs", mask="custom"),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=1, warp_keys=32,
+                         warp_queries=32), 64,
+              "a custom mask on sm80's 163 KB: one Q / dO stage", mask="custom"),
     TuningRow(Fa2BwdTile(block_m=128, block_n=128, warps=8, stages=2, warp_keys=32,
                          warp_queries=32), 64,
               "128 x 128, warps of 32 keys x 64 queries (S^T) and 32 x 32 (dK, dV, dQ): 247 / 223 "
@@ -211,6 +218,11 @@ TUNING: tuple[TuningRow, ...] = (
                          warp_queries=32), 128,
               "ALiBi: with two Q / dO stages the distance's registers spilled 8 bytes at head_dim "
               "128 (2026-12-02); one stage, as on sm80", score=("alibi",)),
+    TuningRow(Fa2BwdTile(block_m=64, block_n=64, warps=8, stages=2, warp_keys=32,
+                         warp_queries=32), 128,
+              "a custom mask: every 64 x 128 tile spilled 4-20 bytes with the document mask's "
+              "element mask on every step (2026-12-02); 64 keys: 194 regs, 124 KB smem",
+              mask="custom"),
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
                          warp_queries=32), 128,
               "64 x 128, warps of 32 keys x 32 queries (S^T), 32 keys x 64 columns (dK, dV), 32 x "
@@ -244,6 +256,7 @@ class Fa2BackwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa2_bwd_sm80.cu.j2"

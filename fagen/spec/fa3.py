@@ -227,6 +227,10 @@ TUNING: tuple[TuningRow, ...] = (
               "softcap or ALiBi: the three-consumer row below spilled 12-120 bytes at its 160 "
               "registers with the modifier's (2026-12-02); two consumers have 240",
               score=("softcap", "alibi")),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 64,
+              "a custom mask: the three-consumer row below spilled 4 bytes with the document "
+              "mask's element mask on every block (2026-12-02); two consumers have 240",
+              mask="custom"),
     TuningRow(Fa3Tile(block_m=192, block_n=128, warps=16, stages=2, peel_masked_blocks=True,
                       mma_row_sum=True), 64,
               "three consumer warpgroups (setmaxnreg 160 each: S 64 + O 32 (+4) + P 32 regs) "
@@ -289,6 +293,7 @@ class Fa3ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"

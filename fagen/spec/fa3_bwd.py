@@ -264,6 +264,7 @@ class Fa3BackwardSpec(KernelSpec):
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
         lambda head_dim, head_dim_v: "its consumers split one head dim's dK, dV and dQ (the FA2 "
         "backward takes head_dim_v)")
+    WHY_MASKS: ClassVar[str] = "custom masks: the FA2 backward takes them"
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa3_bwd_sm90.cu.j2"

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .. import contract
 from .base import KernelSpec
 from .tuning import seqlen_bounds
 
@@ -21,12 +22,25 @@ class SpecError(ValueError):
     """A spec file that cannot be built, with a message naming the entry and field."""
 
 
+class MaskDeclaration(BaseModel):
+    """A user's mask in a spec file: a CUDA header and the type in it (the interface of
+    templates/include/fagen/algo/mask.cuh's CustomMask); entries use it by its name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    header: str = Field(description="the header's path, relative to the spec file")
+    type: str = Field(description="the C++ type in it that implements the mask")
+
+
 class SpecFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bundle: str = Field(description="the bundle's name (letters, digits, '.', '_', '-'); `fagen build` "
                         "writes it to generated/<bundle> unless -o says otherwise")
     description: str = Field("", description="free text, kept in the manifest")
+    masks: dict[str, MaskDeclaration] = Field(
+        {}, description="user masks by name (header, type): an entry's `mask: NAME` builds its "
+        "kernel with that mask compiled in (kind custom; FA2 forward and backward, FA3 forward)")
     kernels: list[dict[str, Any]] = Field(description="the kernel entries (below); a field given as a "
                                           "list expands to one kernel per value")
 
@@ -35,6 +49,14 @@ class SpecFile(BaseModel):
     def _check_bundle(cls, value: str) -> str:
         if not _BUNDLE_NAME.match(value):
             raise ValueError(f"bundle={value!r}: use letters, digits, '.', '_' and '-'")
+        return value
+
+    @field_validator("masks")
+    @classmethod
+    def _check_mask_names(cls, value: dict[str, MaskDeclaration]) -> dict[str, MaskDeclaration]:
+        for name in value:
+            if problem := contract.custom_mask_name_problem(name):
+                raise ValueError(problem)
         return value
 
 
@@ -60,7 +82,17 @@ def _first_error(exc: ValidationError, auto_tile: bool = False) -> str:
     return "; ".join(parts)
 
 
-def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
+def _with_custom_mask(fields: dict[str, Any], masks: dict[str, dict]) -> dict[str, Any]:
+    """An entry's `mask: NAME` of the spec file's `masks:` as mask: custom and its custom_mask."""
+    name = fields.get("mask")
+    if not isinstance(name, str) or name not in masks:
+        return fields
+    return {**fields, "mask": "custom", "custom_mask": {"name": name, **masks[name]}}
+
+
+def expand_entry(index: int, entry: dict[str, Any], out: Expansion,
+                 masks: dict[str, dict] | None = None) -> None:
+    """`masks`: the spec file's user masks by name, each {type, source}."""
     if not isinstance(entry, dict):
         raise SpecError(f"kernels[{index}]: expected a mapping of fields, got {type(entry).__name__}")
     list_fields = {k: v for k, v in entry.items() if isinstance(v, list)}
@@ -69,7 +101,7 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
         raise SpecError(f"kernels[{index}]: empty list for {', '.join(empty)}")
     names = list(list_fields)
     for values in itertools.product(*(list_fields[k] for k in names)):
-        fields = {**entry, **dict(zip(names, values))}
+        fields = _with_custom_mask({**entry, **dict(zip(names, values))}, masks or {})
         try:
             spec = KernelSpec.model_validate(fields)
             out.specs.append(spec)
@@ -77,7 +109,7 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
             # score modifiers and split head dims, whose kernels (one per model family's
             # variant) would otherwise double in number for a few percent at 512-1k keys.
             if (fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields
-                    and not spec.score and spec.head_dim_v is None):
+                    and not spec.score and spec.head_dim_v is None and spec.custom_mask is None):
                 for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.mask):
                     out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
@@ -87,15 +119,31 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion) -> None:
             out.skipped.append((index, dict(zip(names, values)), why))
 
 
-def expand(data: dict[str, Any]) -> Expansion:
-    """Validate a parsed spec file and expand it into kernel specs (duplicates dropped)."""
+def _mask_sources(spec_file: SpecFile, base_dir: Path | None) -> dict[str, dict]:
+    """Each user mask's {type, source}: its header read relative to the spec file."""
+    masks = {}
+    for name, declared in spec_file.masks.items():
+        path = (base_dir or Path.cwd()) / declared.header
+        try:
+            source = path.read_text()
+        except OSError as exc:
+            raise SpecError(f"masks.{name}.header: cannot read {path}: {exc.strerror or exc}") from None
+        masks[name] = {"type": declared.type, "source": source}
+    return masks
+
+
+def expand(data: dict[str, Any], base_dir: Path | None = None) -> Expansion:
+    """Validate a parsed spec file and expand it into kernel specs (duplicates dropped);
+    `base_dir`: where the file's relative paths (mask headers) start (default: the current
+    directory)."""
     try:
         spec_file = SpecFile.model_validate(data)
     except ValidationError as exc:
         raise SpecError(f"spec file: {_first_error(exc)}") from None
     out = Expansion(bundle=spec_file.bundle)
+    masks = _mask_sources(spec_file, base_dir)
     for index, entry in enumerate(spec_file.kernels):
-        expand_entry(index, entry, out)
+        expand_entry(index, entry, out, masks)
     unique: dict[str, KernelSpec] = {}
     for spec in out.specs:
         unique.setdefault(spec.name, spec)
@@ -139,6 +187,6 @@ def load_spec_file(path: str | Path) -> Expansion:
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with 'bundle' and 'kernels'")
     try:
-        return expand(data)
+        return expand(data, path.parent)
     except SpecError as exc:
         raise SpecError(f"{path}: {exc}") from None

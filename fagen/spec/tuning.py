@@ -41,15 +41,19 @@ class TuningRow:
     # The v head dim the row is for, where it differs from the q/k one (DeepSeek-V3's 192/128):
     # it serves only those kernels, before the general rows. None: any head_dim_v.
     head_dim_v: int | None = None
+    # The mask kind the row is for (custom: a user's mask, whose element mask runs on every
+    # visited block): it serves only those kernels, before the general rows. None: any.
+    mask: str | None = None
 
 
 def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
                  score: tuple[str, ...] = (), head_dim_v: int | None = None) -> list[TuningRow]:
     rows = [r for r in algorithm.TUNING_ROWS if head_dim <= r.max_head_dim
             and r.causal in (None, mask != "full")
-            and not (mask == "local" and r.max_seqlen_k is not None)
+            and not (mask in ("local", "custom") and r.max_seqlen_k is not None)
             and (r.score is None or set(r.score) & set(score))
-            and r.head_dim_v in (None, head_dim_v)]
+            and r.head_dim_v in (None, head_dim_v)
+            and r.mask in (None, mask)]
     if not rows:
         raise ValueError(
             f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
@@ -57,7 +61,7 @@ def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
         )
     bucket = min(r.max_head_dim for r in rows)
     rows = [r for r in rows if r.max_head_dim == bucket]
-    special = [r for r in rows if r.score is not None or r.head_dim_v is not None]
+    special = [r for r in rows if r.score is not None or r.head_dim_v is not None or r.mask is not None]
     return special + [r for r in rows if r not in special]
 
 

@@ -98,16 +98,37 @@ def _check_score_inputs(q: torch.Tensor, softcap: float, alibi_slopes: Optional[
             raise ValueError(f"fagen.flash_attn_func: {name} must be on q's device {q.device}, got {t.device}")
 
 
-def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor]):
+def _check_mask_mod(q: torch.Tensor, mask_mod: Optional[str], mask_args: Optional[torch.Tensor],
+                    causal: bool, window: tuple[int, int]) -> None:
+    """A custom mask's rules (also run at trace time): a name, its arguments on q's device, and
+    neither causal nor a window beside it."""
+    if mask_mod is None:
+        if mask_args is not None:
+            raise ValueError("fagen.flash_attn_func: mask_args without mask_mod")
+        return
+    if problem := contract.custom_mask_name_problem(mask_mod):
+        raise ValueError(f"fagen.flash_attn_func: mask_mod: {problem}")
+    if causal or tuple(window) != (-1, -1):
+        raise ValueError(f"fagen.flash_attn_func: mask_mod={mask_mod!r} replaces causal and "
+                         "window_size (the custom mask decides which pairs attend)")
+    if mask_args is not None and mask_args.device != q.device:
+        raise ValueError(f"fagen.flash_attn_func: mask_args must be on q's device {q.device}, "
+                         f"got {mask_args.device}")
+
+
+def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                  mask_args: Optional[torch.Tensor] = None):
     """The modifiers' arrays as the kernels read them (fp32, contiguous: copies where needed),
-    and the runtime's ScoreTensors of them."""
+    a custom mask's arguments (contiguous), and the runtime's ScoreTensors of them."""
     alibi = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
     sink = None if learnable_sink is None else learnable_sink.to(torch.float32).contiguous()
+    args = None if mask_args is None else mask_args.contiguous()
     arrays = runtime_call.ScoreTensors(
         alibi_slopes=0 if alibi is None else alibi.data_ptr(),
         alibi_batch_stride=0 if alibi is None or alibi.dim() == 1 else alibi.shape[1],
-        sinks=0 if sink is None else sink.data_ptr())
-    return arrays, (alibi, sink)
+        sinks=0 if sink is None else sink.data_ptr(),
+        mask_args=0 if args is None else args.data_ptr())
+    return arrays, (alibi, sink, args)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -189,13 +210,13 @@ def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              window: tuple[int, int], softcap: float = 0.0, alibi: bool = False,
-             sinks: bool = False) -> runtime_call.Problem:
+             sinks: bool = False, mask_mod: Optional[str] = None) -> runtime_call.Problem:
     batch, seqlen_q, heads_q, head_dim = q.shape
     head_dim_v = v.shape[3]
     return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
                                 heads_q, k.shape[2], head_dim, tuple(window),
                                 contract.Score(softcap, alibi, sinks),
-                                None if head_dim_v == head_dim else head_dim_v)
+                                None if head_dim_v == head_dim else head_dim_v, mask_mod)
 
 
 class _PreparedLaunch(NamedTuple):
@@ -212,11 +233,13 @@ def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.
              out: torch.Tensor, causal: bool, window: tuple[int, int],
              softmax_scale: float | None, softcap: float = 0.0,
              alibi_slopes: Optional[torch.Tensor] = None,
-             learnable_sink: Optional[torch.Tensor] = None) -> _PreparedLaunch:
+             learnable_sink: Optional[torch.Tensor] = None, mask_mod: Optional[str] = None,
+             mask_args: Optional[torch.Tensor] = None) -> _PreparedLaunch:
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
-    arrays, kept = _score_arrays(alibi_slopes, learnable_sink)
-    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
+    arrays, kept = _score_arrays(alibi_slopes, learnable_sink, mask_args)
+    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None,
+                       mask_mod)
     prepared = runtime_call.prepare(kernels, problem, _tensor(q), _tensor(k), _tensor(v), _tensor(out),
                                     softmax_scale, q.device.index, entry, arrays)
     return _PreparedLaunch(prepared, (q, k, v, *kept))
@@ -249,15 +272,18 @@ def prepare_launch(
     out: torch.Tensor, lse: torch.Tensor, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
+    mask_args: Optional[torch.Tensor] = None,
 ):
     """Everything a launch of `entry` (any kernel of the bundle for its key) on these tensors
     needs, done once; returns the launch itself, which enqueues on torch's current stream when
     called. For tests and benchmarks that run a chosen kernel; `window_size` for a local one,
-    the score modifiers' values and arrays for a kernel with them."""
-    causal = contract.KernelKey.parse(entry.key).mask == "causal"
+    the score modifiers' values and arrays for a kernel with them, a custom mask's arguments for
+    a kernel with one."""
+    mask = contract.KernelKey.parse(entry.key).mask
+    mask_mod = None if mask in contract.MASKS else mask
     with driver.primary_context(q.device.index):
-        prepared = _prepare(kernels, entry, q, k, v, out, causal, window_size, softmax_scale,
-                            softcap, alibi_slopes, learnable_sink)
+        prepared = _prepare(kernels, entry, q, k, v, out, mask == "causal", window_size, softmax_scale,
+                            softcap, alibi_slopes, learnable_sink, mask_mod, mask_args)
     return functools.partial(_launch_in_primary_context, prepared, out, lse)
 
 
@@ -281,11 +307,11 @@ def _array_signature(t: Optional[torch.Tensor]) -> tuple:
 
 
 def _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
-                    learnable_sink) -> tuple:
+                    learnable_sink, mask_mod=None, mask_args=None) -> tuple:
     return (_bundle_request(bundle), causal, window, softmax_scale, softcap, q.device, q.dtype, k.dtype, v.dtype,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, k.shape, v.shape,
             q.stride(), k.stride(), v.stride(), _array_signature(alibi_slopes),
-            _array_signature(learnable_sink))
+            _array_signature(learnable_sink), mask_mod, _array_signature(mask_args))
 
 
 def _flash_attn_fwd(
@@ -301,14 +327,17 @@ def _flash_attn_fwd(
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool = False,
+    mask_mod: Optional[str] = None,
+    mask_args: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out, lse of one forward. `deterministic` is the backward's (saved for it by the op's
-    autograd, fagen/torch/backward.py); the forward is deterministic anyway."""
+    autograd, fagen/torch/backward.py); the forward is deterministic anyway. `mask_mod`: a
+    custom mask's name, `mask_args` its arguments."""
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
     window = (window_left, window_right)
     signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
-                                learnable_sink)
+                                learnable_sink, mask_mod, mask_args)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
         with driver.primary_context(prepared.attention.device):
@@ -319,12 +348,14 @@ def _flash_attn_fwd(
 
     _check_inputs(q, k, v)
     _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
+    _check_mask_mod(q, mask_mod, mask_args, causal, window)
     _check_device(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
     kernels = get_bundle(bundle)
     device = q.device.index
-    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None)
+    problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None,
+                       mask_mod)
     runtime_call.check_problem(problem)  # the window's sizes, before any allocation
     entry = runtime_call.select(kernels, problem, device)
     with driver.primary_context(device):
@@ -342,8 +373,8 @@ def _flash_attn_fwd(
                 lse.copy_(learnable_sink.to(torch.float32).view(1, heads_q, 1).expand_as(lse))
             return out, lse
         prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale, softcap,
-                            alibi_slopes, learnable_sink)
-        given = (q, k, v, alibi_slopes, learnable_sink)
+                            alibi_slopes, learnable_sink, mask_mod, mask_args)
+        given = (q, k, v, alibi_slopes, learnable_sink, mask_args)
         if all(ready is None or ready is arg for ready, arg in zip(prepared.inputs, given)):
             if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
                 _prepared_launches.clear()
@@ -357,9 +388,10 @@ flash_attn_fwd = torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=(
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
-                         softmax_scale, bundle, deterministic=False):
+                         softmax_scale, bundle, deterministic=False, mask_mod=None, mask_args=None):
     _check_inputs(q, k, v)
     _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
+    _check_mask_mod(q, mask_mod, mask_args, causal, (window_left, window_right))
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(_output_shape(q, v))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)

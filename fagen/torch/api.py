@@ -63,6 +63,8 @@ def flash_attn_func(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    mask_mod: str | None = None,
+    mask_args: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
     bundle: str | os.PathLike | Bundle | None = None,
@@ -88,6 +90,10 @@ def flash_attn_func(
     get no gradient). `learnable_sink`, float (nheads,), is a logit per query head that joins
     every row's softmax denominator and adds nothing to the output (gpt-oss's sinks), with its
     gradient. Each is a kernel variant (score: softcap / alibi / sinks in the spec).
+    `mask_mod` names a custom mask a bundle was built with (a spec's `masks:`: a CUDA header,
+    compiled in ahead of time), `mask_args` the device tensor its type reads (e.g. each token's
+    document id); it replaces causal and window_size, and the deterministic mode is refused with
+    it.
     `deterministic` makes the backward sum dQ in a fixed order (the same gradients, bit for bit,
     on every run; slower). `bundle` is a bundle directory or a loaded Bundle; default
     $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p and return_attn_probs are
@@ -111,7 +117,13 @@ def flash_attn_func(
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"fagen.flash_attn_func: softcap must be a number, got {softcap!r}")
     softcap = float(softcap)
-    for name, array in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+    if mask_mod is not None and not isinstance(mask_mod, str):
+        raise TypeError(f"fagen.flash_attn_func: mask_mod must be a custom mask's name or None, got {mask_mod!r}")
+    if mask_mod is not None and deterministic:
+        raise NotImplementedError("fagen.flash_attn_func: deterministic=True takes the built-in masks only "
+                                  f"(mask_mod={mask_mod!r})")
+    for name, array in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
+                        ("mask_args", mask_args)):
         if array is not None and not isinstance(array, torch.Tensor):
             raise TypeError(f"fagen.flash_attn_func: {name} must be a tensor or None, got {type(array).__name__}")
     try:
@@ -136,10 +148,10 @@ def flash_attn_func(
         not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
         and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-        and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink))
+        and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink, mask_args))
     )
     arguments = (q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
-                 softmax_scale, bundle, deterministic)
+                 softmax_scale, bundle, deterministic, mask_mod, mask_args)
     if not eager:
         out, lse = flash_attn_fwd(*arguments)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -15,7 +15,7 @@ import torch
 from ..runtime import call as runtime_call
 from ..runtime import driver
 from .adapter import (
-    _check_device, _check_inputs, _check_score_inputs, _current_stream, _flash_attn_fwd,
+    _check_device, _check_inputs, _check_mask_mod, _check_score_inputs, _current_stream, _flash_attn_fwd,
     _kernel_ready, _problem, _score_arrays, _tensor, flash_attn_fwd, get_bundle,
 )
 
@@ -36,17 +36,20 @@ def _flash_attn_bwd(
     softmax_scale: Optional[float],
     bundle: Optional[str],
     deterministic: bool,
+    mask_mod: Optional[str] = None,
+    mask_args: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dL/dsink (fp32 (nheads,); empty without sinks)."""
     _check_inputs(q, k, v)
     _check_device(q, k, v)
     _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
+    _check_mask_mod(q, mask_mod, mask_args, causal, (window_left, window_right))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dsink = torch.zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32, device=q.device)
     problem = _problem(q, k, v, causal, (window_left, window_right), softcap, alibi_slopes is not None,
-                       learnable_sink is not None)
+                       learnable_sink is not None, mask_mod)
     if problem.seqlen_k == 0 or dq.numel() == 0:
         # No score depends on any input: every gradient is zero (the sink's too: with no key
         # its probability is 1 and O = 0 whatever its value).
@@ -64,7 +67,7 @@ def _flash_attn_bwd(
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
-        arrays, _copies = _score_arrays(alibi_slopes, learnable_sink)  # alive until the launch is enqueued
+        arrays, _copies = _score_arrays(alibi_slopes, learnable_sink, mask_args)  # alive until the launch is enqueued
         if learnable_sink is not None:
             arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
         runtime_call.attention_backward(
@@ -80,7 +83,8 @@ flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=(
 
 @flash_attn_bwd.register_fake
 def _flash_attn_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, causal, window_left,
-                         window_right, softcap, softmax_scale, bundle, deterministic):
+                         window_right, softcap, softmax_scale, bundle, deterministic, mask_mod=None,
+                         mask_args=None):
     _check_inputs(q, k, v)
     dsink = q.new_empty(0 if learnable_sink is None else q.shape[2], dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
@@ -98,7 +102,8 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, alibi_slopes, learnable_sink, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink)
-    # causal, window_left, window_right, softcap, softmax_scale, bundle, deterministic
+    # causal, window_left, window_right, softcap, softmax_scale, bundle, deterministic, mask_mod,
+    # mask_args
     ctx.options = tuple(options)
     ctx.mark_non_differentiable(lse)
 

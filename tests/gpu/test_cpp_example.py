@@ -94,6 +94,8 @@ def run_example(example, key: str, size, seed: int, dump: Path, *extra: str) -> 
     args = [str(example), "--dtype", parsed.dtype, "--head-dim", parsed.head_dim, "--batch", batch, "--seqlen-q",
             seqlen_q, "--seqlen-k", seqlen_k, "--heads-q", heads_q, "--heads-kv", heads_kv, "--seed", seed,
             "--dump", dump, *extra]
+    if parsed.head_dim_v:
+        args += ["--head-dim-v", parsed.head_dim_v]
     if parsed.mask == "causal":
         args.append("--causal")
     if parsed.mask == "local":  # the window test_fa2_fwd runs every local kernel with
@@ -130,11 +132,12 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         dtype = DTYPES[problem["dtype"]]
         batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
         heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+        head_dim_v = problem["head_dim_v"]
         causal, scale, window = problem["causal"], problem["softmax_scale"], tuple(problem["window_size"])
         q = read_dump(dump, "q", (batch, seqlen_q, heads_q, head_dim), dtype)
         k = read_dump(dump, "k", (batch, seqlen_k, heads_kv, head_dim), dtype)
-        v = read_dump(dump, "v", (batch, seqlen_k, heads_kv, head_dim), dtype)
-        out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim), dtype)
+        v = read_dump(dump, "v", (batch, seqlen_k, heads_kv, head_dim_v), dtype)
+        out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim_v), dtype)
         lse_cpp = read_dump(dump, "lse", (batch, heads_q, seqlen_q), torch.float32)
 
         mods = mods_of(problem)
@@ -174,10 +177,14 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
         dtype = DTYPES[problem["dtype"]]
         batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
         heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+        head_dim_v = problem["head_dim_v"]
         causal, scale, window = problem["causal"], problem["softmax_scale"], tuple(problem["window_size"])
         q_shape, kv_shape = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim)
-        q, dout, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dout", "dq"))
-        k, v, dk_cpp, dv_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "v", "dk", "dv"))
+        o_shape, v_shape = (*q_shape[:3], head_dim_v), (*kv_shape[:3], head_dim_v)
+        q, dq_cpp = (read_dump(dump, name, q_shape, dtype) for name in ("q", "dq"))
+        k, dk_cpp = (read_dump(dump, name, kv_shape, dtype) for name in ("k", "dk"))
+        dout = read_dump(dump, "dout", o_shape, dtype)
+        v, dv_cpp = (read_dump(dump, name, v_shape, dtype) for name in ("v", "dv"))
 
         mods = mods_of(problem)
         ref = [g.float() for g in math_grads(q, k, v, dout, causal, scale, torch.float32, window, mods)[2]]

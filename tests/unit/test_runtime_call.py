@@ -273,3 +273,17 @@ def test_score_arrays_are_checked_before_a_launch():
         call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, sinks=64), backward=True)
     call._check_score_tensors(problem, call.ScoreTensors(alibi_slopes=64, alibi_batch_stride=4, sinks=64, dsinks=64),
                               backward=True)
+
+
+def test_a_custom_mask_is_keyed_by_its_name_and_replaces_causal():
+    from fagen import contract
+    from fagen.runtime.call import AttentionError, Problem, check_problem
+
+    problem = Problem("bf16", False, 1, 64, 64, 2, 2, 128, mask_mod="document")
+    assert problem.key == "fwd/bf16/hd128/document" and problem.mask.window_left == 0
+    assert contract.KernelKey.parse("bwd/bf16/hd64/doc_2+sinks") == contract.KernelKey("bwd", "bf16", 64, "doc_2", ("sinks",))
+    assert contract.KernelKey.parse("fwd/bf16/hd64/custom") is None  # the kind, not a name
+    with pytest.raises(AttentionError, match="replaces causal and window_size"):
+        check_problem(Problem("bf16", True, 1, 64, 64, 2, 2, 128, mask_mod="document"))
+    with pytest.raises(AttentionError, match="lower-case letters"):
+        check_problem(Problem("bf16", False, 1, 64, 64, 2, 2, 128, mask_mod="Doc"))

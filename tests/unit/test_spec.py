@@ -135,7 +135,8 @@ def test_name_ignores_field_order_and_auto_equals_explicit_tile():
 
 def rows_of(tile_model, max_head_dim, causal=None):
     return [r for r in TABLE if type(r.tile) is tile_model and r.max_head_dim == max_head_dim
-            and (causal is None or r.causal in (None, causal)) and r.score is None]
+            and (causal is None or r.causal in (None, causal)) and r.score is None
+            and r.head_dim_v is None and r.mask is None]
 
 
 def test_auto_tile_follows_the_tuning_table():
@@ -424,3 +425,63 @@ def test_one_head_dim_given_twice_is_the_kernel_with_one():
 ])
 def test_split_head_dims_an_algorithm_cannot_take_are_refused_by_name(fields, words):
     assert words in error_text(**fields)
+
+
+DOCUMENT_HEADER = "struct DocumentMask {};  // a stand-in: the spec layer reads no C++\n"
+
+
+def write_mask_spec(tmp_path, header=DOCUMENT_HEADER, kernels=None):
+    (tmp_path / "document.cuh").write_text(header)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "bundle": "masks", "masks": {"document": {"header": "document.cuh", "type": "DocumentMask"}},
+        "kernels": kernels or [{"fa_version": 3, "arch": "sm90a", "dtype": "bf16", "head_dim": 128,
+                                "mask": "document"},
+                               {"fa_version": 2, "direction": ["fwd", "bwd"], "arch": "sm80",
+                                "dtype": "bf16", "head_dim": 64, "mask": "document"}]}))
+    return spec_file
+
+
+def test_a_custom_mask_is_compiled_in_by_name(tmp_path):
+    specs = load_spec_file(write_mask_spec(tmp_path)).specs
+    assert sorted(s.lookup_key for s in specs) == ["bwd/bf16/hd64/document", "fwd/bf16/hd128/document",
+                                                    "fwd/bf16/hd64/document"]
+    for s in specs:
+        assert s.mask == "custom" and s.custom_mask.source == DOCUMENT_HEADER
+        assert "_document_" in s.name and s.mask_type == "fagen::algo::CustomMask<DocumentMask>"
+        assert {c.name: c.c_value for c in s.constexprs()}["kMask"] == "fagen::algo::MaskKind::kCustom"
+    # no short-sequence kernels for a custom mask; FA3 hd64's three-consumer tile is not its row
+    assert all(s.max_seqlen_k is None for s in specs)
+
+
+def test_a_custom_mask_kernel_follows_its_header(tmp_path):
+    first = {s.lookup_key: s.name for s in load_spec_file(write_mask_spec(tmp_path)).specs}
+    second = {s.lookup_key: s.name for s in load_spec_file(write_mask_spec(tmp_path, DOCUMENT_HEADER + "//\n")).specs}
+    assert first.keys() == second.keys() and not set(first.values()) & set(second.values())
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"fa_version": 3, "direction": "bwd", "arch": "sm90a", "dtype": "bf16", "head_dim": 128, "mask": "document"},
+     "custom masks: the FA2 backward takes them"),
+    ({"fa_version": 1, "arch": "sm80", "dtype": "bf16", "head_dim": 128, "mask": "document"},
+     "mask=custom: fa_version=1 fwd has the full, causal masks only"),
+])
+def test_algorithms_without_custom_masks_refuse_them(tmp_path, entry, words):
+    with pytest.raises(SpecError, match=words):
+        load_spec_file(write_mask_spec(tmp_path, kernels=[entry]))
+
+
+@pytest.mark.parametrize("name, words", [("Document", "lower-case letters"), ("causal", "taken by a built-in"),
+                                         ("sinks", "taken by a built-in"), ("2d", "starting with a letter")])
+def test_custom_mask_names_are_checked(tmp_path, name, words):
+    (tmp_path / "m.cuh").write_text(DOCUMENT_HEADER)
+    with pytest.raises(SpecError, match=words):
+        expand({"bundle": "b", "masks": {name: {"header": "m.cuh", "type": "M"}},
+                "kernels": [{**BASE, "mask": name}]}, tmp_path)
+
+
+def test_a_custom_mask_needs_its_header_and_its_declaration(tmp_path):
+    with pytest.raises(SpecError, match=r"masks.document.header: cannot read"):
+        expand({"bundle": "b", "masks": {"document": {"header": "absent.cuh", "type": "M"}},
+                "kernels": [{**BASE, "mask": "document"}]}, tmp_path)
+    assert "custom_mask come together" in error_text(mask="custom")

@@ -45,6 +45,19 @@ def test_bad_input_is_rejected_before_launch(change, error, match):
         flash_attn_func(*change(*_qkv()))
 
 
+@pytest.mark.parametrize("options, error, match", [
+    ({"mask_mod": "document", "causal": True}, ValueError, "replaces causal and window_size"),
+    ({"mask_mod": "document", "window_size": (8, 0)}, ValueError, "replaces causal and window_size"),
+    ({"mask_mod": "Document"}, ValueError, "lower-case letters"),
+    ({"mask_mod": 3}, TypeError, "custom mask's name"),
+    ({"mask_args": torch.zeros(4)}, ValueError, "mask_args without mask_mod"),
+    ({"mask_mod": "document", "deterministic": True}, NotImplementedError, "built-in masks"),
+])
+def test_a_bad_custom_mask_call_is_rejected_before_launch(options, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*_qkv(), **options)
+
+
 def test_strides_used_as_is_for_a_transposed_view():
     t = torch.randn(2, 4, 9, 64, dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) view
     assert adapter._kernel_strides(t) == (4 * 9 * 64, 64, 9 * 64)

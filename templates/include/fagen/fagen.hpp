@@ -551,6 +551,20 @@ struct Attention {
     CUdeviceptr alibi_slopes = 0;
     bool alibi_per_batch = false;
     CUdeviceptr sinks = 0;
+    // A custom mask the bundle was built with (a spec's `masks:`), by its name, and the device
+    // memory its type reads (mask_args); it replaces causal and the window (leave them unset).
+    std::string mask_mod;
+    CUdeviceptr mask_args = 0;
+
+    // The mask of this call: call_mask's, or the custom mask's.
+    Result<CallMask> mask() const {
+        if (mask_mod.empty()) return call_mask(causal, window_left, window_right, seqlen_q, seqlen_k);
+        if (causal || window_left != -1 || window_right != -1) {
+            return Status::error("fagen: mask_mod=" + mask_mod + " replaces causal and the window: leave them "
+                                 "false and -1 (the custom mask decides which pairs attend)");
+        }
+        return CallMask{mask_mod.c_str(), 0, 0};
+    }
 
     // The variant of this call's kernel: its mask and score modifiers.
     std::string variant(const CallMask& mask) const {
@@ -818,7 +832,7 @@ public:
         const Result<KernelScale> scale = kernel_score_scale(a.softmax_scale, a.head_dim, a.softcap);
         if (!scale.ok()) return scale.status();
         if (Status s = check_score_arrays(a); !s.ok()) return s;
-        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
         auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
@@ -863,7 +877,7 @@ public:
         return sizeof(float) * static_cast<size_t>(workspace_layout(a).floats);
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
-        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
@@ -892,8 +906,12 @@ public:
             return Status::error("fagen: a backward with sinks needs dsinks, a 4-byte aligned fp32 device array of (" +
                                  std::to_string(a.heads_q) + ",)");
         }
-        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
+        if (!a.mask_mod.empty() && a.semaphores != 0) {
+            return Status::error("fagen: mask_mod=" + a.mask_mod + ": the deterministic mode takes the built-in masks "
+                                 "only (its dQ order follows their key ranges)");
+        }
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const auto [q, k, v, o] = strides_of(a);
@@ -1071,6 +1089,7 @@ private:
         p.alibi_slopes = reinterpret_cast<const float*>(a.alibi_slopes);
         p.alibi_batch_stride = a.alibi_per_batch ? a.heads_q : 0;
         p.sinks = reinterpret_cast<const float*>(a.sinks);
+        p.mask_args = reinterpret_cast<const void*>(a.mask_args);
     }
 
     static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma) {

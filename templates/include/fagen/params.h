@@ -9,7 +9,8 @@
 // 3: window_left, window_right.
 // 4: the score modifiers (softcap_scale, alibi_slopes, alibi_batch_stride, sinks; dsinks,
 //    sink_partials).
-#define FAGEN_ABI_VERSION 4
+// 5: mask_args (a custom mask's arguments).
+#define FAGEN_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,6 +55,9 @@ typedef struct FagenFwdParams {
     const float* alibi_slopes;
     long long alibi_batch_stride;
     const float* sinks;
+    // A custom mask's arguments (algo/mask.cuh, CustomMask): device memory its user type reads
+    // (e.g. each token's document id), read only by kernels built with a custom mask.
+    const void* mask_args;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
@@ -102,6 +106,7 @@ typedef struct FagenBwdParams {
     const float* alibi_slopes;
     long long alibi_batch_stride;
     const float* sinks;
+    const void* mask_args;  // as in FagenFwdParams
     float softmax_scale;  // dQ and dK are softmax_scale * (dS K), softmax_scale * (dS^T Q)
     // Sinks only: dL/dsink per query head (heads_q,) fp32, written by the dQ conversion from the
     // workspace's per-16-row partials (fagen/contract.py: BackwardWorkspace.sink_partials).

@@ -18,9 +18,9 @@
 
 namespace fagen::algo {
 
-template <MaskKind kMask, int kBlockM, int kBlockN>
+template <class Mask, int kBlockM, int kBlockN>
 struct TileOrder {
-    static constexpr bool kDiagonal = kMask != MaskKind::kFull;  // a right edge: see above
+    static constexpr bool kDiagonal = Mask::kRightEdge;  // a right edge: see above
     // About the tiles that run at once, one CTA per SM: 132 on an H100 / H200, 108 on an A100.
     static constexpr int kConcurrentTiles = 128;
 
@@ -52,7 +52,7 @@ struct TileOrder {
     }
 
     // How many key blocks add to query block i before key block j does.
-    static __device__ int rank(const AttentionMask<kMask>& mask, int i, int j) {
+    static __device__ int rank(const Mask& mask, int i, int j) {
         if constexpr (!kDiagonal) return j;
         // The key blocks that see query block i run up to the block of the last key its last row
         // sees (AttentionMask::query_blocks: each walks every query block with a row that sees
@@ -89,8 +89,8 @@ struct StepCursor {
 // it as a branch of its own on the steps that need it: folded into the exponentials' loop as a
 // predicate per element, the mask's compares and selects ran on every step, and a causal step
 // took 1.31x a non-causal one (1.84 against 1.40 us at head_dim 64, 2k; run 88).
-template <MaskKind kMask, int kTiles>
-__device__ __forceinline__ void zero_masked_probs(const AttentionMask<kMask>& mask, float (&probs)[kTiles][4],
+template <class Mask, int kTiles>
+__device__ __forceinline__ void zero_masked_probs(const Mask& mask, float (&probs)[kTiles][4],
                                                   int lane, int first_key, int first_query) {
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {

@@ -15,12 +15,16 @@
 // its first row's left edge and its last row's right edge: a query block visits the key blocks
 // [begin, end) of KeyBlocks, and time follows the window, not seqlen_k. The kernels visit them
 // from the last down (the diagonal block first, where the row maximum usually is).
+//
+// kCustom is a user's mask, compiled in ahead of time (CustomMask below): the spec names its
+// header and type, the launch passes its arguments (FagenFwdParams / FagenBwdParams: mask_args).
+// A kernel's Config names its mask type (Config::Mask): AttentionMask<kMask> or CustomMask<User>.
 #pragma once
 #include "fagen/algo/fragment.cuh"
 
 namespace fagen::algo {
 
-enum class MaskKind : int { kFull = 0, kCausal = 1, kLocal = 2 };
+enum class MaskKind : int { kFull = 0, kCausal = 1, kLocal = 2, kCustom = 3 };
 
 // Key blocks [begin, end) of a query block; count() <= 0 when none of its rows sees a key.
 struct KeyBlocks {
@@ -47,9 +51,10 @@ struct AttentionMask {
     int window_left;   // kLocal only
     int window_right;  // kLocal only
 
-    // The mask of a launch (FagenFwdParams or FagenBwdParams).
+    // The mask of a launch (FagenFwdParams or FagenBwdParams), for batch row `batch` (which
+    // only a custom mask reads).
     template <class Params>
-    static __device__ __forceinline__ AttentionMask of(const Params& p) {
+    static __device__ __forceinline__ AttentionMask of(const Params& p, int /*batch*/ = 0) {
         return {p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
     }
 
@@ -155,6 +160,96 @@ struct AttentionMask {
                     if constexpr (kRightEdge) masked = masked || col > row + causal_offset() + right();
                     if constexpr (kLeftEdge) masked = masked || col < row + causal_offset() - window_left;
                     if (masked) acc[m][n][i] = neg_inf();
+                }
+            }
+        }
+    }
+};
+
+// The keys [begin, end) a run of query rows may see, or the rows a run of keys may be seen by:
+// what a custom mask's range functions return.
+struct IndexRange {
+    int begin;
+    int end;
+};
+
+// A user's mask as the kernels ask for one (AttentionMask's interface). `User` is a type of the
+// user's header with
+//     static __device__ User of(const void* mask_args, int batch, int seqlen_q, int seqlen_k);
+//     __device__ bool masked(int row, int key) const;        // query row `row` does not see `key`
+//     __device__ IndexRange keys_of_rows(int row_begin, int row_end) const;
+//     __device__ IndexRange rows_of_keys(int key_begin, int key_end) const;
+//     __device__ bool all_visible(int row_begin, int row_end, int key_begin, int key_end) const;
+// The ranges may be wider than the mask but never narrower: a query block visits the key blocks
+// its rows' range touches (time follows the range, not seqlen_k), a backward key block walks the
+// query blocks its keys' range touches. A visited block is masked element by element unless
+// all_visible says every row of it sees every key (false is always correct, only slower). The
+// user's functions see rows below seqlen_q and keys below seqlen_k only: the rest are masked
+// here.
+template <class User>
+struct CustomMask {
+    static constexpr bool kRightEdge = true;  // any visited pair may be masked
+    static constexpr bool kLeftEdge = true;
+
+    User user;
+    int seqlen_q;
+    int seqlen_k;
+
+    template <class Params>
+    static __device__ __forceinline__ CustomMask of(const Params& p, int batch = 0) {
+        return {User::of(p.mask_args, batch, p.seqlen_q, p.seqlen_k), p.seqlen_q, p.seqlen_k};
+    }
+
+    __device__ __forceinline__ IndexRange keys_of(int row_begin, int rows) const {
+        if (row_begin >= seqlen_q) return {0, 0};
+        const IndexRange r = user.keys_of_rows(row_begin, min(row_begin + rows, seqlen_q));
+        return {max(r.begin, 0), min(r.end, seqlen_k)};
+    }
+
+    __device__ __forceinline__ int key_begin(int row) const { return keys_of(row, 1).begin; }
+    __device__ __forceinline__ int key_end(int row) const { return keys_of(row, 1).end; }
+
+    __device__ __forceinline__ KeyBlocks key_blocks(int row_begin, int block_m, int block_n) const {
+        const IndexRange r = keys_of(row_begin, block_m);
+        if (r.end <= r.begin) return {0, 0};
+        return {r.begin / block_n, (r.end + block_n - 1) / block_n};
+    }
+
+    // As AttentionMask's: whether key block `n_block` holds a masked pair for one of the rows.
+    __device__ __forceinline__ bool block_needs_mask(int n_block, int row_begin, int rows, int block_n) const {
+        const int key_begin = n_block * block_n;
+        if (key_begin + block_n > seqlen_k || row_begin + rows > seqlen_q) return true;
+        return !user.all_visible(row_begin, row_begin + rows, key_begin, key_begin + block_n);
+    }
+    __device__ __forceinline__ bool tile_may_need_mask(int, int) const { return true; }
+
+    __device__ __forceinline__ MaskedIterations masked_iterations(const KeyBlocks& blocks, int, int, int) const {
+        return {blocks.count(), blocks.count()};
+    }
+
+    __device__ __forceinline__ bool masked(int row, int key) const {
+        return key >= seqlen_k || row >= seqlen_q || user.masked(row, key);
+    }
+
+    __device__ __forceinline__ KeyBlocks query_blocks(int key_begin, int block_n, int block_m) const {
+        if (key_begin >= seqlen_k) return {0, 0};
+        const IndexRange r = user.rows_of_keys(key_begin, min(key_begin + block_n, seqlen_k));
+        const int begin = max(r.begin, 0), end = min(r.end, seqlen_q);
+        if (end <= begin) return {0, 0};
+        return {begin / block_m, (end + block_m - 1) / block_m};
+    }
+
+    template <int kM, int kN>
+    __device__ __forceinline__ void apply(float (&acc)[kM][kN][4], int lane, int row_base,
+                                          int col_base) const {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+            for (int n = 0; n < kN; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const FragmentCoord c = fragment_coord(lane, m, n, i);
+                    if (masked(row_base + c.row, col_base + c.col)) acc[m][n][i] = neg_inf();
                 }
             }
         }

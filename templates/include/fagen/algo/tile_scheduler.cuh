@@ -98,11 +98,12 @@ struct TileWork {
     __device__ __forceinline__ KeyBlocks key_blocks() const { return {n_end - n_blocks, n_end}; }
 };
 
-template <MaskKind kMask>
+// The work of tile `t` under the mask type `Mask` (AttentionMask<kind> or CustomMask<User>).
+template <class Mask>
 __device__ __forceinline__ TileWork tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
                                               int block_n) {
     const int row_begin = t.m_block * block_m;
-    const KeyBlocks blocks = AttentionMask<kMask>::of(p).key_blocks(row_begin, block_m, block_n);
+    const KeyBlocks blocks = Mask::of(p, t.batch).key_blocks(row_begin, block_m, block_n);
     return {t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin, blocks.end, blocks.count()};
 }
 

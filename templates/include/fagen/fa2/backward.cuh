@@ -55,7 +55,7 @@ template <class Config>
 struct Backward {
     using Element = typename Config::Element;
     using Ops = algo::ElementOps<Element>;
-    using Mask = algo::AttentionMask<Config::kMask>;
+    using Mask = typename Config::Mask;
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using DsoftcapOps = algo::ElementOps<__half>;  // the softcap's 1 - u^2, kept as fp16 pairs
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
@@ -280,7 +280,7 @@ struct Backward {
         // head live (with them the causal tile at head_dim 128 spilled).
         const int first_head = tile.head_of_batch * group;
         const int key_begin = n_block * kBlockN;
-        const Mask mask = Mask::of(p);
+        const Mask mask = Mask::of(p, batch);
         // The query blocks [i_begin, i_end) with a row that sees one of this tile's keys.
         const algo::KeyBlocks queries = mask.query_blocks(key_begin, kBlockN, kBlockM);
         const int i_begin = queries.begin, i_end = queries.end;
@@ -493,7 +493,7 @@ struct Backward {
                  end_batch, end_kv_head, key_begin + warp_key, col_split * kVCols, lane);
     }
 
-    using Order = algo::TileOrder<Config::kMask, kBlockM, kBlockN>;
+    using Order = algo::TileOrder<Mask, kBlockM, kBlockN>;
 
     // The tile of this CTA: grid (key blocks, heads_kv, batch) in the launch order of
     // algo::TileOrder.

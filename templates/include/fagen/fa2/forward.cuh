@@ -68,7 +68,7 @@ struct Forward {
         const int row_begin = m_block * Config::kBlockM;
         const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
 
-        const auto mask = algo::AttentionMask<Config::kMask>::of(p);
+        const auto mask = Config::Mask::of(p, batch);
         const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(p, batch, head);
         const algo::KeyBlocks blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
         const int n_blocks = blocks.count();

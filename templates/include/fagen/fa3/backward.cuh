@@ -74,7 +74,7 @@ struct Backward {
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks>;
-    using Order = algo::TileOrder<Config::kMask, Config::kBlockM, Config::kBlockN>;
+    using Order = algo::TileOrder<Mask, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;  // queries per step

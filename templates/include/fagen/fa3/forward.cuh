@@ -121,7 +121,7 @@ struct Forward {
 
     static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
                                                      int index) {
-        return algo::tile_work<Config::kMask>(prm, sched.tile(index), kBlockM, kBlockN);
+        return algo::tile_work<typename Config::Mask>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
     // ---------------------------------------------------------------- producer
@@ -238,7 +238,7 @@ struct Forward {
         const int warp = thread / 32;  // within the warpgroup
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
-        const auto mask = algo::AttentionMask<Config::kMask>::of(prm);
+        const auto mask = Config::Mask::of(prm, w.batch);
         const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
         const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
@@ -336,7 +336,7 @@ struct Forward {
             // non-uniform (run 53).
             const algo::MaskedIterations masked = mask.masked_iterations(w.key_blocks(), w.row_begin, kBlockM, kBlockN);
             for (; j < masked.right_end; ++j) iteration(j, BoolConstant<true>{});
-            if constexpr (algo::AttentionMask<Config::kMask>::kLeftEdge) {
+            if constexpr (Config::Mask::kLeftEdge) {
                 for (; j < masked.left_begin; ++j) iteration(j, BoolConstant<false>{});
                 for (; j < w.n_blocks; ++j) iteration(j, BoolConstant<true>{});
             } else {

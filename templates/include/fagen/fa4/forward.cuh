@@ -407,7 +407,7 @@ struct Forward {
     // ---------------------------------------------------------------- entry
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
         const auto sched = algo::TileScheduler<Config::kMask, false>::for_params(prm, kBlockM);
-        const Work w = algo::tile_work<Config::kMask>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
+        const Work w = algo::tile_work<algo::AttentionMask<Config::kMask>>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
         if (w.n_blocks <= 0) {
             write_empty_rows(prm, w);
             return;
