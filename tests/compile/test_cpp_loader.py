@@ -346,3 +346,132 @@ def test_cpp_selection_matches_python(open_bundle, ci_small, cc):
             result = run(open_bundle, ci_small[0], key, *cc, *([] if seqlen_k is None else [seqlen_k]))
             assert result.returncode == 0, result.stderr
             assert result.stdout.strip() == expected, (key, cc, seqlen_k)
+
+
+# ---------------------------------------------------------------------------- TMA maps
+
+TMA_FIELDS = ("data_type", "rank", "address", "dims", "strides", "box", "element_strides", "interleave", "swizzle",
+              "l2_promotion", "oob_fill")
+
+
+@pytest.fixture
+def recorded_tensor_maps(monkeypatch):
+    """The arguments call.py's maps pass to cuTensorMapEncodeTiled, without a driver: the real
+    fagen.runtime.driver.encode_tiled_tensor_map runs with cuTensorMapEncodeTiled replaced by a
+    recorder (and the lru_cache of call._encode_tensor_map emptied around it). Yields the list
+    the calls append to, as {field: value} in open_bundle --tma-maps's terms."""
+    from fagen.runtime import call, driver
+
+    calls = []
+    blank = (ctypes.c_ubyte * driver.TENSOR_MAP_BYTES)()
+
+    class FakeMap:
+        def getPtr(self):
+            return ctypes.addressof(blank)
+
+    def encode(data_type, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, oob):
+        calls.append(dict(
+            data_type=int(data_type), rank=int(rank), address=int(address), dims=tuple(int(d) for d in dims),
+            strides=tuple(int(s) for s in strides), box=tuple(int(b) for b in box),
+            element_strides=tuple(int(e) for e in element_strides), interleave=int(interleave),
+            swizzle=int(swizzle), l2_promotion=int(l2), oob_fill=int(oob)))
+        return driver.cu.CUresult.CUDA_SUCCESS, FakeMap()
+
+    monkeypatch.setattr(driver, "_initialized", True)
+    monkeypatch.setattr(driver.cu, "cuTensorMapEncodeTiled", encode)
+    call._encode_tensor_map.cache_clear()
+    yield calls
+    call._encode_tensor_map.cache_clear()  # its maps are the recorder's blanks
+
+
+def parse_tma_maps(stdout: str) -> dict[str, dict]:
+    maps = {}
+    for line in stdout.splitlines():
+        name, *fields = line.split()
+        values = dict(field.split("=", 1) for field in fields)
+        maps[name] = {key: tuple(int(x) for x in value.split(",")) if "," in value else int(value)
+                      for key, value in values.items()}
+    return maps
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v (None: head_dim), tma_q_rows, tma_kv_rows)
+TMA_PROBLEMS = {
+    "mha-hd128": (2, 256, 256, 4, 4, 128, None, 128, 128),
+    "gqa-odd-seqlens": (3, 301, 77, 8, 2, 64, None, 64, 176),
+    "mqa-one-query": (1, 1, 1000, 6, 1, 128, None, 128, 112),
+    "hd192-hdv128": (2, 333, 129, 16, 4, 192, 128, 128, 80),
+    "hd192-hdv128-gqa-odd": (1, 17, 4097, 32, 8, 192, 128, 64, 128),
+}
+
+
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
+@pytest.mark.parametrize("layout", ("contiguous", "strided"))
+@pytest.mark.parametrize("dtype", ("bf16", "fp16"))
+@pytest.mark.parametrize("shape", TMA_PROBLEMS.values(), ids=TMA_PROBLEMS.keys())
+def test_cpp_tma_maps_match_python(open_bundle, recorded_tensor_maps, shape, dtype, layout, backward):
+    from fagen.runtime import call
+
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, q_rows, kv_rows = shape
+    problem = call.Problem(dtype, False, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v=head_dim_v)
+    value_dim = problem.value_dim
+    # (address, seqlen, heads, columns) of q, k, v, dout
+    specs = {"q": (1 << 20, seqlen_q, heads_q, head_dim), "k": (2 << 20, seqlen_k, heads_kv, head_dim),
+             "v": (3 << 20, seqlen_k, heads_kv, value_dim), "dout": (4 << 20, seqlen_q, heads_q, value_dim)}
+    tensors, cli = {}, {}
+    for i, (name, (address, seqlen, heads, columns)) in enumerate(specs.items()):
+        address += 256 * i
+        if layout == "contiguous":
+            tensors[name] = call.Tensor.contiguous(address, seqlen, heads, columns)
+            cli[name] = str(address)
+        else:
+            # heads outermost within a batch, rows padded, a gap between batches: strides that
+            # differ from the contiguous ones in every position
+            row = columns + 8 * (i + 1)
+            head = row * (seqlen + 3)
+            batch_stride = head * heads + 64
+            tensors[name] = call.Tensor(address, batch_stride, row, head)
+            cli[name] = f"{address}:{batch_stride}:{row}:{head}"
+    dq_accum = 5 << 20
+    launch = contract.Launch(threads=128, block_m=q_rows, dynamic_smem=0, tma_q_rows=q_rows, tma_kv_rows=kv_rows)
+    if backward:
+        t = tensors
+        bwd = call.BackwardTensors(q=t["q"], k=t["k"], v=t["v"], out=t["dout"], dout=t["dout"], dq=t["q"],
+                                   dk=t["k"], dv=t["v"], lse=6 << 20)
+        call.bwd_tma_maps(problem, bwd, launch, dq_accum)
+        names = ("q", "k", "v", "dout", "dq_accum")
+        extra = [cli["dout"], dq_accum]
+    else:
+        call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch)
+        names = ("q", "k", "v")
+        extra = []
+    assert len(recorded_tensor_maps) == len(names)
+    expected = dict(zip(names, recorded_tensor_maps))
+
+    result = run(open_bundle, "--tma-maps", dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                 head_dim_v or 0, q_rows, kv_rows, cli["q"], cli["k"], cli["v"], *extra)
+    assert result.returncode == 0, result.stderr
+    got = parse_tma_maps(result.stdout)
+    assert list(got) == list(names)
+    for name in names:
+        assert set(got[name]) == set(TMA_FIELDS), name
+        for field in TMA_FIELDS:
+            assert got[name][field] == expected[name][field], (name, field)
+
+
+def test_tma_map_enums_are_the_drivers(recorded_tensor_maps):
+    """The integers both sides print are cuda.bindings' enums of what driver.py means to pass
+    (so the parity test compares the right thing, not two equal mistakes)."""
+    from fagen.runtime import call, driver
+
+    cu = driver.cu
+    problem = call.Problem("bf16", False, 1, 100, 100, 2, 2, 64)
+    q = call.Tensor.contiguous(1 << 20, 100, 2, 64)
+    call.tma_maps(problem, q, q, q, contract.Launch(threads=128, block_m=128, dynamic_smem=0, tma_q_rows=128,
+                                                     tma_kv_rows=128))
+    m = recorded_tensor_maps[0]
+    assert m["data_type"] == int(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    assert m["interleave"] == int(cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
+    assert m["swizzle"] == int(cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert m["l2_promotion"] == int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B)
+    assert m["oob_fill"] == int(cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    assert (m["dims"], m["strides"], m["box"]) == ((64, 100, 2, 1), (256, 128, 25600), (64, 128, 1, 1))

@@ -710,6 +710,72 @@ struct AttentionBackward : Attention {
     CUdeviceptr dsinks = 0;  // with sinks: dL/dsink, fp32 (heads_q,), written
 };
 
+// The arguments of one cuTensorMapEncodeTiled call, all but the CUtensorMap it writes: a tiled
+// TMA map over a 4-D tensor (head_dim, seqlen, heads, batch), innermost first. A pure function
+// of the call (tensor_map_args) so that tests/compile/test_cpp_loader.py can hold it to
+// fagen/runtime/call.py's maps without a GPU.
+struct TensorMapArgs {
+    CUtensorMapDataType data_type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    cuuint32_t rank = 4;
+    CUdeviceptr global_address = 0;
+    cuuint64_t global_dim[4] = {};
+    cuuint64_t global_strides[3] = {};  // bytes, of dims 1..3
+    cuuint32_t box_dim[4] = {};
+    cuuint32_t element_strides[4] = {};
+    CUtensorMapInterleave interleave = CU_TENSOR_MAP_INTERLEAVE_NONE;
+    CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+    CUtensorMapL2promotion l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+    CUtensorMapFloatOOBfill oob_fill = CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE;
+};
+
+// A tiled map of a (batch, seqlen, heads, head_dim) tensor of fp16/bf16 elements (boxes of
+// FAGEN_TMA_BOX_COLUMNS (64 columns, 128 bytes: the swizzle width) x box_rows), or with
+// `accumulator` of a backward's fp32 dQ accumulator (boxes of FAGEN_ACCUM_BOX_COLUMNS x
+// box_rows); 128-byte swizzle, out-of-bounds elements read as zeros.
+inline TensorMapArgs tensor_map_args(DType dtype, CUdeviceptr data, int batch, int seqlen, int heads, int head_dim,
+                                     const Strides& strides, int box_rows, bool accumulator = false) {
+    const cuuint64_t element_bytes = accumulator ? FAGEN_ACCUM_BYTES : FAGEN_ELEMENT_BYTES;
+    TensorMapArgs m;
+    m.data_type = accumulator            ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                  : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    m.rank = 4;
+    m.global_address = data;
+    const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
+    const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
+                                        cuuint64_t(strides.batch) * element_bytes};
+    const cuuint32_t box[4] = {cuuint32_t(accumulator ? FAGEN_ACCUM_BOX_COLUMNS : FAGEN_TMA_BOX_COLUMNS),
+                               cuuint32_t(box_rows), 1, 1};
+    for (int i = 0; i < 4; ++i) {
+        m.global_dim[i] = dims[i];
+        m.box_dim[i] = box[i];
+        m.element_strides[i] = 1;
+    }
+    for (int i = 0; i < 3; ++i) m.global_strides[i] = byte_strides[i];
+    return m;  // interleave, swizzle, L2 promotion, OOB fill: TensorMapArgs's defaults
+}
+
+// The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps), given the tensors'
+// strides: boxes of the kernel's tma_q_rows (Q) and tma_kv_rows (K, V) rows; V's columns are
+// head_dim_v.
+inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strides& q, const Strides& k,
+                                                 const Strides& v, int tma_q_rows, int tma_kv_rows) {
+    return {tensor_map_args(a.dtype, a.q, a.batch, a.seqlen_q, a.heads_q, a.head_dim, q, tma_q_rows),
+            tensor_map_args(a.dtype, a.k, a.batch, a.seqlen_k, a.heads_kv, a.head_dim, k, tma_kv_rows),
+            tensor_map_args(a.dtype, a.v, a.batch, a.seqlen_k, a.heads_kv, a.value_dim(), v, tma_kv_rows)};
+}
+
+// A backward's maps beyond Q, K, V (FagenBwdTmaMaps): dO like the output (head_dim_v columns),
+// and the fp32 dQ accumulator at `dq_accum`, (batch, heads_q, dq_accum_rows(seqlen_q),
+// head_dim), both in boxes of tma_q_rows rows.
+inline std::array<TensorMapArgs, 2> bwd_extra_map_args(const AttentionBackward& a, const Strides& dout,
+                                                       CUdeviceptr dq_accum, int tma_q_rows) {
+    const Strides accum{a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim, a.head_dim,
+                        dq_accum_rows(a.seqlen_q) * a.head_dim};
+    return {tensor_map_args(a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.value_dim(), dout, tma_q_rows),
+            tensor_map_args(a.dtype, dq_accum, a.batch, a.seqlen_q, a.heads_q, a.head_dim, accum, tma_q_rows, true)};
+}
+
 class Bundle {
 public:
     // Open the bundle directory this program was compiled against (its include/ holds the
@@ -960,14 +1026,10 @@ public:
         FagenBwdTmaMaps maps{};
         const FagenKernelInfo& info = kernel.value()->info();
         if (Status s = encode_qkv_maps(&maps.q, &maps.k, &maps.v, a, q, k, v, info); !s.ok()) return s;
-        if (Status s = encode_tensor_map(&maps.dout, a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.value_dim(), dout,
-                                         info.tma_q_rows);
-            !s.ok()) return s;
-        const Strides accum{a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim, a.head_dim,
-                            dq_accum_rows(a.seqlen_q) * a.head_dim};
-        if (Status s = encode_tensor_map(&maps.dq_accum, a.dtype, reinterpret_cast<CUdeviceptr>(p.dq_accum), a.batch,
-                                         a.seqlen_q, a.heads_q, a.head_dim, accum, info.tma_q_rows, true);
-            !s.ok()) return s;
+        const auto [dout_map, accum_map] =
+            bwd_extra_map_args(a, dout, reinterpret_cast<CUdeviceptr>(p.dq_accum), info.tma_q_rows);
+        if (Status s = encode_tensor_map(&maps.dout, dout_map); !s.ok()) return s;
+        if (Status s = encode_tensor_map(&maps.dq_accum, accum_map); !s.ok()) return s;
         return kernel.value()->launch_backward(p, &maps, stream);
     }
 
@@ -1096,48 +1158,27 @@ private:
         return tensor_status(name, data, s, tma);
     }
 
-    // A tiled TMA map over the 4-D tensor (head_dim, seqlen, heads, batch), innermost first:
-    // boxes of 64 columns (128 bytes: the swizzle width) by `box_rows` rows, out-of-bounds zeros.
-    // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps): boxes of the kernel's
-    // tma_q_rows (Q) and tma_kv_rows (K, V) rows.
+    // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps): qkv_map_args's.
     static Status encode_qkv_maps(FagenTensorMap* q_map, FagenTensorMap* k_map, FagenTensorMap* v_map,
                                   const Attention& a, const Strides& q, const Strides& k, const Strides& v,
                                   const FagenKernelInfo& info) {
-        const std::tuple<FagenTensorMap*, CUdeviceptr, int, int, int, const Strides*, int> specs[] = {
-            {q_map, a.q, a.seqlen_q, a.heads_q, a.head_dim, &q, info.tma_q_rows},
-            {k_map, a.k, a.seqlen_k, a.heads_kv, a.head_dim, &k, info.tma_kv_rows},
-            {v_map, a.v, a.seqlen_k, a.heads_kv, a.value_dim(), &v, info.tma_kv_rows},
-        };
-        for (const auto& [map, data, seqlen, heads, columns, strides, box_rows] : specs) {
-            if (Status s = encode_tensor_map(map, a.dtype, data, a.batch, seqlen, heads, columns, *strides, box_rows);
-                !s.ok()) return s;
+        const std::array<TensorMapArgs, 3> args = qkv_map_args(a, q, k, v, info.tma_q_rows, info.tma_kv_rows);
+        FagenTensorMap* const maps[3] = {q_map, k_map, v_map};
+        for (int i = 0; i < 3; ++i) {
+            if (Status s = encode_tensor_map(maps[i], args[i]); !s.ok()) return s;
         }
         return Status();
     }
 
-    // A tiled map of a (batch, seqlen, heads, head_dim) tensor of fp16/bf16 elements (boxes of
-    // FAGEN_TMA_BOX_COLUMNS x box_rows), or with `accumulator` of a backward's fp32 dQ
-    // accumulator (boxes of FAGEN_ACCUM_BOX_COLUMNS x box_rows); 128-byte swizzle.
-    static Status encode_tensor_map(FagenTensorMap* out, DType dtype, CUdeviceptr data, int batch, int seqlen, int heads,
-                                    int head_dim, const Strides& strides, int box_rows, bool accumulator = false) {
+    // cuTensorMapEncodeTiled with tensor_map_args's arguments, into a params.h FagenTensorMap.
+    static Status encode_tensor_map(FagenTensorMap* out, const TensorMapArgs& m) {
         auto d = driver();
         if (!d.ok()) return d.status();
-        const cuuint64_t element_bytes = accumulator ? FAGEN_ACCUM_BYTES : FAGEN_ELEMENT_BYTES;
-        const CUtensorMapDataType type = accumulator         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                         : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-        const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
-        const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
-                                            cuuint64_t(strides.batch) * element_bytes};
-        const cuuint32_t box[4] = {cuuint32_t(accumulator ? FAGEN_ACCUM_BOX_COLUMNS : FAGEN_TMA_BOX_COLUMNS),
-                                   cuuint32_t(box_rows), 1, 1};
-        const cuuint32_t element_strides[4] = {1, 1, 1, 1};
         CUtensorMap map;
         Status s = d.value()->check(
             d.value()->tensor_map_encode_tiled(
-                &map, type, 4, reinterpret_cast<void*>(data), dims, byte_strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                &map, m.data_type, m.rank, reinterpret_cast<void*>(m.global_address), m.global_dim, m.global_strides,
+                m.box_dim, m.element_strides, m.interleave, m.swizzle, m.l2_promotion, m.oob_fill),
             "cuTensorMapEncodeTiled");
         if (!s.ok()) return s;
         static_assert(sizeof(CUtensorMap) == sizeof(FagenTensorMap), "params.h FagenTensorMap must match CUtensorMap");

@@ -20,13 +20,86 @@
 //   open_bundle --workspace BATCH HEADS_Q SEQLEN_Q HEAD_DIM BLOCK_M
 //                                       print backward_workspace's offsets, floats, semaphores
 //                                       and the backward row grid
+//   open_bundle --tma-maps DTYPE BATCH SEQLEN_Q SEQLEN_K HEADS_Q HEADS_KV HEAD_DIM HEAD_DIM_V Q_ROWS KV_ROWS
+//                          Q K V [DOUT DQ_ACCUM]
+//                                       print, one line per map (q, k, v; with DOUT and DQ_ACCUM,
+//                                       a backward's, also dout and dq_accum), the arguments
+//                                       fagen.hpp passes to cuTensorMapEncodeTiled (TensorMapArgs).
+//                                       HEAD_DIM_V 0: head_dim; Q_ROWS / KV_ROWS: the kernel's
+//                                       tma_q_rows / tma_kv_rows; each tensor ADDR (contiguous)
+//                                       or ADDR:BATCH_STRIDE:ROW_STRIDE:HEAD_STRIDE in elements;
+//                                       DQ_ACCUM: the accumulator's address
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
 #include "fagen/fagen.hpp"
 
+// "ADDR" or "ADDR:BATCH:ROW:HEAD": the address, and the strides (nullopt: contiguous).
+static std::pair<CUdeviceptr, std::optional<fagen::Strides>> parse_tensor(const char* text) {
+    char* end = nullptr;
+    const CUdeviceptr address = static_cast<CUdeviceptr>(std::strtoull(text, &end, 10));
+    if (*end != ':') return {address, std::nullopt};
+    fagen::Strides s;
+    s.batch = std::strtoll(end + 1, &end, 10);
+    s.row = std::strtoll(end + 1, &end, 10);
+    s.head = std::strtoll(end + 1, &end, 10);
+    return {address, s};
+}
+
+static void print_map(const char* name, const fagen::TensorMapArgs& m) {
+    std::printf("%s data_type=%d rank=%u address=%llu dims=%llu,%llu,%llu,%llu strides=%llu,%llu,%llu "
+                "box=%u,%u,%u,%u element_strides=%u,%u,%u,%u interleave=%d swizzle=%d l2_promotion=%d oob_fill=%d\n",
+                name, static_cast<int>(m.data_type), static_cast<unsigned>(m.rank),
+                static_cast<unsigned long long>(m.global_address),
+                static_cast<unsigned long long>(m.global_dim[0]), static_cast<unsigned long long>(m.global_dim[1]),
+                static_cast<unsigned long long>(m.global_dim[2]), static_cast<unsigned long long>(m.global_dim[3]),
+                static_cast<unsigned long long>(m.global_strides[0]), static_cast<unsigned long long>(m.global_strides[1]),
+                static_cast<unsigned long long>(m.global_strides[2]), static_cast<unsigned>(m.box_dim[0]),
+                static_cast<unsigned>(m.box_dim[1]), static_cast<unsigned>(m.box_dim[2]),
+                static_cast<unsigned>(m.box_dim[3]), static_cast<unsigned>(m.element_strides[0]),
+                static_cast<unsigned>(m.element_strides[1]), static_cast<unsigned>(m.element_strides[2]),
+                static_cast<unsigned>(m.element_strides[3]), static_cast<int>(m.interleave),
+                static_cast<int>(m.swizzle), static_cast<int>(m.l2_promotion), static_cast<int>(m.oob_fill));
+}
+
+// --tma-maps: the maps attention() / attention_backward() encode for a TMA kernel, with their
+// strides defaulting as there (q, k, v contiguous; dout like out, contiguous).
+static int print_tma_maps(int argc, char** argv) {
+    fagen::AttentionBackward a;
+    a.dtype = std::strcmp(argv[2], "bf16") == 0 ? fagen::DType::bf16 : fagen::DType::fp16;
+    a.batch = std::atoi(argv[3]);
+    a.seqlen_q = std::atoi(argv[4]);
+    a.seqlen_k = std::atoi(argv[5]);
+    a.heads_q = std::atoi(argv[6]);
+    a.heads_kv = std::atoi(argv[7]);
+    a.head_dim = std::atoi(argv[8]);
+    a.head_dim_v = std::atoi(argv[9]);
+    const int q_rows = std::atoi(argv[10]), kv_rows = std::atoi(argv[11]);
+    std::tie(a.q, a.q_strides) = parse_tensor(argv[12]);
+    std::tie(a.k, a.k_strides) = parse_tensor(argv[13]);
+    std::tie(a.v, a.v_strides) = parse_tensor(argv[14]);
+    const fagen::Strides q = a.q_strides.value_or(fagen::Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
+    const fagen::Strides k = a.k_strides.value_or(fagen::Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
+    const fagen::Strides v = a.v_strides.value_or(fagen::Strides::contiguous(a.seqlen_k, a.heads_kv, a.value_dim()));
+    const std::array<fagen::TensorMapArgs, 3> qkv = fagen::qkv_map_args(a, q, k, v, q_rows, kv_rows);
+    print_map("q", qkv[0]);
+    print_map("k", qkv[1]);
+    print_map("v", qkv[2]);
+    if (argc == 17) {
+        std::tie(a.dout, a.dout_strides) = parse_tensor(argv[15]);
+        const fagen::Strides dout =
+            a.dout_strides.value_or(fagen::Strides::contiguous(a.seqlen_q, a.heads_q, a.value_dim()));
+        const CUdeviceptr dq_accum = static_cast<CUdeviceptr>(std::strtoull(argv[16], nullptr, 10));
+        const std::array<fagen::TensorMapArgs, 2> extra = fagen::bwd_extra_map_args(a, dout, dq_accum, q_rows);
+        print_map("dout", extra[0]);
+        print_map("dq_accum", extra[1]);
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
+    if ((argc == 15 || argc == 17) && std::strcmp(argv[1], "--tma-maps") == 0) return print_tma_maps(argc, argv);
     if (argc == 4 && std::strcmp(argv[1], "--scale") == 0) {
         std::optional<float> scale;
         if (std::strcmp(argv[2], "default") != 0) scale = std::strtof(argv[2], nullptr);
