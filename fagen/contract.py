@@ -144,7 +144,9 @@ class Mask:
 def call_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> Mask:
     """flash-attn's rule for `causal` and `window_size` = (left, right): query row i sees keys j
     with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is unbounded,
-    and so is a size >= seqlen_k; causal sets right = 0. Which kind of kernel serves the result:
+    and so is a size >= seqlen_k, or a left size >= seqlen_k - 1 (the last row's window then
+    starts at key 0 already: Mistral's 4095 over 4096 keys is the causal mask); causal sets
+    right = 0. Which kind of kernel serves the result:
     no edge is `full`, right = 0 alone is `causal`, anything else `local`. Raises MaskError for
     sizes below -1. Mirrored by fagen.hpp's call_mask."""
     try:
@@ -153,7 +155,7 @@ def call_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_
         raise MaskError(f"window_size={window_size!r}: must be a pair of ints (left, right)") from None
     if left < -1 or right < -1:
         raise MaskError(f"window_size={window_size!r}: each size must be >= 0, or -1 for unbounded")
-    left = -1 if left >= seqlen_k else left
+    left = -1 if left >= seqlen_k - 1 else left
     right = -1 if right >= seqlen_k else right
     if causal:
         right = 0

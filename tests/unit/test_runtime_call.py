@@ -197,7 +197,11 @@ def test_a_window_selects_the_local_kernel_and_fills_its_sizes(tmp_path, fake):
     (False, (3, -1), (10, 20), ("local", 3, 30)),
     (False, (-1, 5), (10, 20), ("local", 30, 5)),
     (False, (20, 20), (10, 20), ("full", 0, 0)),   # sizes >= seqlen_k are unbounded (flash-attn)
-    (True, (19, 0), (30, 20), ("local", 19, 0)),
+    (True, (18, 0), (30, 20), ("local", 18, 0)),
+    # a left size >= seqlen_k - 1 reaches key 0 from the last row on: Mistral's 4095 over 4096
+    (True, (19, 0), (30, 20), ("causal", 0, 0)),
+    (True, (4095, 4095), (4096, 4096), ("causal", 0, 0)),
+    (True, (4095, 4095), (4097, 4097), ("local", 4095, 0)),
 ])
 def test_the_mask_rule_is_flash_attns(causal, window, seqlens, expected):
     from fagen.contract import call_mask

@@ -408,7 +408,8 @@ struct CallMask {
 };
 
 // flash-attn's rule for causal and window_size = (left, right), as fagen/contract.py's call_mask
-// (the same results and message): -1, or a size >= seqlen_k, is unbounded; causal sets right = 0;
+// (the same results and message): -1, or a size >= seqlen_k (a left one >= seqlen_k - 1), is
+// unbounded; causal sets right = 0;
 // no edge is the full mask, right = 0 alone the causal one, anything else local, with an
 // unbounded edge launched as seqlen_q + seqlen_k.
 inline Result<CallMask> call_mask(bool causal, int window_left, int window_right, int seqlen_q, int seqlen_k) {
@@ -417,7 +418,7 @@ inline Result<CallMask> call_mask(bool causal, int window_left, int window_right
         return Status::error("fagen: window_size=(" + std::to_string(window_left) + ", " + std::to_string(window_right) +
                              "): each size must be >= 0, or -1 for unbounded");
     }
-    int left = window_left >= seqlen_k ? -1 : window_left;
+    int left = window_left >= seqlen_k - 1 ? -1 : window_left;  // the last row's window starts at key 0
     int right = window_right >= seqlen_k ? -1 : window_right;
     if (causal) right = 0;
     if (left < 0 && right < 0) return CallMask{names[FAGEN_MASK_FULL]};
