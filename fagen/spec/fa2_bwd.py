@@ -18,7 +18,7 @@ from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import Fa2ForwardSpec, mma_sync_head_dim_problem, row_pitch_bytes
-from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+from .layout import TileGeometry, smem_limit_problems
 from .tuning import TuningRow
 
 MMA_M = 16  # rows of an mma.sync m16n8k16 tile: the unit of a warp's keys and dQ rows
