@@ -70,8 +70,8 @@ class Fa4Geometry(TmaRingLayout):
 
     @property
     def tmem_columns_used(self) -> int:
-        """Two fp32 S buffers (P aliases them) and the fp32 O accumulator."""
-        return 2 * self.block_n + self.head_dim
+        """Two fp32 S buffers (P aliases them) and the fp32 O accumulator (head_dim_v)."""
+        return 2 * self.block_n + self.head_dim_v
 
     @property
     def tmem_columns(self) -> int:
@@ -97,7 +97,7 @@ class Fa4Geometry(TmaRingLayout):
         if self.tmem_columns_used > TMEM_COLUMNS:
             out.append(
                 f"tile (block_n={self.block_n}) needs {self.tmem_columns_used} TMEM columns at "
-                f"head_dim={self.head_dim} (2 x block_n for S, head_dim for O); an SM has "
+                f"{self.head_dims} (2 x block_n for S, head_dim_v for O); an SM has "
                 f"{TMEM_COLUMNS}"
             )
         out.extend(smem_limit_problems(self, max_smem))
@@ -109,6 +109,15 @@ def head_dim_problem(head_dim: int) -> str | None:
     if head_dim % TMA_COLUMNS or not 0 < head_dim <= MAX_HEAD_DIM:
         return (f"head_dim={head_dim}: the FA4 template needs a multiple of {TMA_COLUMNS} "
                 f"(128-byte swizzle atoms) up to {MAX_HEAD_DIM} (tcgen05.mma N)")
+    return None
+
+
+def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the FA4 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
+    if problem := head_dim_problem(head_dim_v):
+        return problem
+    if head_dim_v > head_dim:
+        return "it needs head_dim_v <= head_dim (the epilogue stages O through the Q tile)"
     return None
 
 
@@ -138,6 +147,7 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa4ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
     FA_VERSION: ClassVar[int] = 4
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa4_fwd_sm100.cu.j2"
@@ -155,7 +165,8 @@ class Fa4ForwardSpec(KernelSpec):
 
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa4Tile, head_dim_v: int | None = None) -> Fa4Geometry:
-        return Fa4Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages, head_dim_v=head_dim_v)
+        return Fa4Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
+                           head_dim_v=head_dim_v)
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

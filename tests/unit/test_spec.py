@@ -398,7 +398,7 @@ def test_a_variant_takes_its_own_tuning_row_before_the_general_one():
 
 
 @pytest.mark.parametrize("fa_version, direction, arch", [
-    (2, "fwd", "sm80"), (2, "bwd", "sm90"), (3, "fwd", "sm90a")])
+    (2, "fwd", "sm80"), (2, "bwd", "sm90"), (3, "fwd", "sm90a"), (4, "fwd", "sm100a")])
 def test_split_head_dims_reach_the_name_the_key_and_the_template(fa_version, direction, arch):
     spec = KernelSpec.model_validate({"fa_version": fa_version, "direction": direction, "arch": arch,
                                       "dtype": "bf16", "head_dim": 192, "head_dim_v": 128, "causal": True})
@@ -421,7 +421,7 @@ def test_one_head_dim_given_twice_is_the_kernel_with_one():
     ({"head_dim": 64, "head_dim_v": 128}, "needs head_dim_v <= head_dim"),
     ({"fa_version": 1, "arch": "sm80", "head_dim_v": 64}, "fa_version=1 fwd cannot take it"),
     ({"fa_version": 3, "direction": "bwd", "arch": "sm90a", "head_dim_v": 64}, "the FA2 backward takes head_dim_v"),
-    ({"fa_version": 4, "arch": "sm100a", "head_dim_v": 64}, "fa_version=4 fwd cannot take it"),
+    ({"fa_version": 4, "arch": "sm100a", "head_dim": 64, "head_dim_v": 128}, "the epilogue stages O through the Q tile"),
 ])
 def test_split_head_dims_an_algorithm_cannot_take_are_refused_by_name(fields, words):
     assert words in error_text(**fields)

@@ -93,32 +93,37 @@ struct Forward {
     using Element = typename Config::Element;
     using Ops = algo::ElementOps<Element>;
 
-    static constexpr int kHeadDim = Config::kHeadDim;
+    static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
+    static constexpr int kHeadDimV = Config::kHeadDimV;  // V and O columns
     static constexpr int kBlockM = Config::kBlockM;
     static constexpr int kBlockN = Config::kBlockN;
     static constexpr int kStages = Config::kStages;
-    static constexpr int kChunks = kHeadDim / 64;  // 128-byte column chunks of a tile
+    static constexpr int kChunks = kHeadDim / 64;    // 128-byte column chunks of a Q or K tile
+    static constexpr int kVChunks = kHeadDimV / 64;  // and of a V tile
     static constexpr int kQKSteps = kHeadDim / 16;
     static constexpr int kPVSteps = kBlockN / 16;
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;  // a K tile
+    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * 2;  // a V tile
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr uint32_t kOColumn = 2 * kBlockN;
     static constexpr uint32_t kQKInstr =
         ptx::Tcgen05F16InstructionDescriptor<kBlockM, kBlockN, Config::kIsBf16, false>::value;
     static constexpr uint32_t kPVInstr =
-        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDim, Config::kIsBf16, true>::value;
+        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDimV, Config::kIsBf16, true>::value;
 
     static_assert(kBlockM == 128, "one M = 128 MMA: TMEM lane = query row = softmax thread");
     static_assert(Config::kThreads == 32 * kWarps);
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "TMA boxes are 64 columns; MMA N <= 256");
+    static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= 256,
+                  "TMA boxes are 64 columns; MMA N <= 256");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P is stored 32 columns at a time");
-    static_assert(kOColumn + kHeadDim <= Config::kTmemColumns && Config::kTmemColumns <= 512);
+    static_assert(kOColumn + kHeadDimV <= Config::kTmemColumns && Config::kTmemColumns <= 512);
+    static_assert(kHeadDimV <= kHeadDim, "the epilogue stages O through the Q tile");
     static_assert((Config::kTmemColumns & (Config::kTmemColumns - 1)) == 0 &&
                   Config::kTmemColumns >= 32, "tcgen05.alloc takes a power of two >= 32");
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
-    static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kKVBytes);
+    static_assert(Config::kSmemBarrierOffset == Config::kSmemVOffset + kStages * kVBytes);
     static_assert(Config::kSmemQOffset % kSwizzleAtomBytes == 0 &&
                   Config::kSmemKOffset % kSwizzleAtomBytes == 0 &&
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
@@ -132,7 +137,7 @@ struct Forward {
         __device__ uint32_t v_full(int s) const { return barrier(kFixedBarriers + 4 * s + 2); }
         __device__ uint32_t v_empty(int s) const { return barrier(kFixedBarriers + 4 * s + 3); }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
-        __device__ uint32_t v_tile(int s) const { return v + s * kKVBytes; }
+        __device__ uint32_t v_tile(int s) const { return v + s * kVBytes; }
         __device__ uint32_t tmem_slot() const { return barrier(kFixedBarriers + 4 * kStages); }
         // Per-row floats: rescale factors of the two blocks in flight, then final row sums.
         __device__ uint32_t row_scale(int buffer) const { return tmem_slot() + 16 + buffer * kBlockM * 4; }
@@ -161,7 +166,7 @@ struct Forward {
             algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
                                          key_begin, w.kv_head, w.batch);
             ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-            algo::tma_load_tile<kChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
+            algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
                                          key_begin, w.kv_head, w.batch);
         }
     }
@@ -183,7 +188,7 @@ struct Forward {
     }
 
     // O (+)= P V: A = P from TMEM (8 columns = 16 keys per step), B = V tile read MN-major
-    // (head_dim contiguous; consecutive 64-column chunks kBlockN * 128 bytes apart).
+    // (head_dim_v contiguous; consecutive 64-column chunks kBlockN * 128 bytes apart).
     static __device__ __forceinline__ void issue_pv(const Smem& s, uint32_t tmem, int slot,
                                                     int buffer, bool accumulate) {
 #pragma unroll
@@ -328,7 +333,7 @@ struct Forward {
                 if (__any_sync(0xffffffffu, scale != 1.f)) {
                     ptx::tcgen05_fence_after_thread_sync();
 #pragma unroll
-                    for (int c = 0; c < kHeadDim / 16; ++c) {
+                    for (int c = 0; c < kHeadDimV / 16; ++c) {
                         uint32_t o[16];
                         ptx::tcgen05_ld_32x32b_x16(tmem_o + c * 16, o);
                         ptx::tcgen05_wait_ld();
@@ -365,7 +370,7 @@ struct Forward {
                                         uint32_t tmem_o, float inv, int row) {
         char* smem_generic = static_cast<char*>(__cvta_shared_to_generic(s.q));
 #pragma unroll
-        for (int c = 0; c < kHeadDim / 16; ++c) {
+        for (int c = 0; c < kHeadDimV / 16; ++c) {
             uint32_t o[16];
             ptx::tcgen05_ld_32x32b_x16(tmem_o + c * 16, o);
             ptx::tcgen05_wait_ld();
@@ -385,7 +390,7 @@ struct Forward {
         ptx::bar_sync(kEpilogueBarrier, kBlockM);
         const int rows_valid = prm.seqlen_q - w.row_begin;
         Element* out = algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin);
-        constexpr int kVecsPerRow = kHeadDim / 8;
+        constexpr int kVecsPerRow = kHeadDimV / 8;
         for (int idx = row; idx < kBlockM * kVecsPerRow; idx += kBlockM) {
             const int r = idx / kVecsPerRow;
             const int col = (idx % kVecsPerRow) * 8;
@@ -398,7 +403,7 @@ struct Forward {
 
     // Rows that see no key (algo::write_empty_rows), written by the whole CTA.
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w) {
-        algo::write_empty_rows<Element, kBlockM, kHeadDim, Config::kThreads>(
+        algo::write_empty_rows<Element, kBlockM, kHeadDimV, Config::kThreads>(
             algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
             algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin,
             threadIdx.x, Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
