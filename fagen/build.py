@@ -28,7 +28,7 @@ from .compiler import (
     toolchain_versions, tree_digest,
 )
 from .contract import KernelEntry, Resources
-from .spec import ARCHS, Arch, Expansion, KernelSpec
+from .model import ARCHS, Arch, Expansion, KernelSpec
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -61,7 +61,7 @@ ProgressCallback = Callable[[KernelBuild, int, int], None]
 
 def fingerprint(options: dict[Arch, NvrtcOptions], toolchain: dict[str, str]) -> str:
     """sha256 over every input that decides a cubin besides the spec file: the templates, the
-    Python that computes what they receive (spec models, codegen, the contract and the ABI),
+    Python that computes what they receive (the kernel models, codegen, the contract and the ABI),
     fagen's version, the toolchain and the flags.
 
     Equal fingerprints mean equal inputs apart from the spec file: a consumer can tell whether two
@@ -69,7 +69,7 @@ def fingerprint(options: dict[Arch, NvrtcOptions], toolchain: dict[str, str]) ->
     """
     inputs = {
         "templates": tree_digest(paths.templates_dir()),
-        "spec": tree_digest(_PACKAGE / "spec"),
+        "model": tree_digest(_PACKAGE / "model"),
         "codegen": tree_digest(_PACKAGE / "codegen"),
         "contract": sha256_bytes((_PACKAGE / "contract.py").read_bytes()),
         "abi": sha256_bytes((_PACKAGE / "abi.py").read_bytes()),

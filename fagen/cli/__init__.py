@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_spec_reference(args) -> int:
-    from ..spec.reference import render_reference  # pydantic: only for this command
+    from ..model.reference import render_reference  # pydantic: only for this command
 
     sys.stdout.write(render_reference())
     return 0

@@ -40,7 +40,7 @@ def _algorithm_label(fa_version: int, direction: str, arch: str) -> str:
 
 def _keep_archs(expansion, archs_text: str) -> str | None:
     """Restricts `expansion` to the kernels of the targets `archs_text` names; why not, or None."""
-    from ..spec import ARCHS
+    from ..model import ARCHS
 
     wanted = [a.strip() for a in archs_text.split(",") if a.strip()]
     known = {arch.value for arch in ARCHS}
@@ -55,7 +55,7 @@ def _keep_archs(expansion, archs_text: str) -> str | None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from ..spec import SpecError, load_spec_file
+    from ..model import SpecError, load_spec_file
 
     spec_path = Path(args.spec) if args.spec else paths.default_spec()
     try:

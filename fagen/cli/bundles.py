@@ -36,7 +36,7 @@ def _read_any_manifest(path: Path):
 
 def _tile_short(spec: dict) -> str:
     """The tile part of a kernel's name, from the spec its manifest records."""
-    from ..spec import KernelSpec
+    from ..model import KernelSpec
 
     if not spec.get("tile"):
         return "-"

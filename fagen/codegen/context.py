@@ -1,5 +1,5 @@
 """Everything a kernel template needs, taken from the spec: the algorithm's model computed the
-derived constants once (fagen/spec/fa*.py); codegen only names them for Jinja.
+derived constants once (fagen/model/fa*.py); codegen only names them for Jinja.
 
 The template re-checks the numbers it relies on with static_assert, so a template edit that
 disagrees with the Python side fails at compile time instead of at run time.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from .. import abi
-from ..spec import KernelSpec
+from ..model import KernelSpec
 
 C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jinja2
 
 from ..paths import templates_dir
-from ..spec import KernelSpec
+from ..model import KernelSpec
 from .context import build_context
 
 _LEFTOVER_MARKERS = ("{{", "{%", "{#")

@@ -34,7 +34,10 @@ class CachedKernel:
 
 
 def tree_digest(root: Path) -> str:
-    """sha256 over every file under `root` (relative path and bytes), in a stable order."""
+    """sha256 over every file under `root` (relative path and bytes), in a stable order; `root`
+    must exist (a moved directory would otherwise digest as empty, the same every time)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"tree_digest: {root} is not a directory")
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import include_dir
-from ..spec import ARCHS, Arch
+from ..model import ARCHS, Arch
 from .headers import bundled_include_dirs
 
 

@@ -1,7 +1,7 @@
 """Open a bundle, pick the cubin for a device, load it lazily and launch it.
 
 Selection uses only what the manifest says about each entry (``compute_capability``,
-``arch_specific``), not fagen.spec, so that this path needs neither pydantic nor Jinja.
+``arch_specific``), not fagen.model, so that this path needs neither pydantic nor Jinja.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from fagen import paths
 from fagen.build import build_bundle
-from fagen.spec import load_spec_file
+from fagen.model import load_spec_file
 
 JOBS = os.cpu_count() or 1
 

@@ -8,8 +8,8 @@ import pytest
 
 from fagen import paths
 from fagen.build import build_bundle
-from fagen.spec import algorithm_for, load_spec_file
-from fagen.spec.fa4 import TMEM_COLUMNS
+from fagen.model import algorithm_for, load_spec_file
+from fagen.model.fa4 import TMEM_COLUMNS
 
 JOBS = os.cpu_count() or 1
 SM100_MAX_SMEM = 227 * 1024

@@ -20,8 +20,8 @@ from fagen.cli import main
 from fagen.codegen import RenderedKernel
 from fagen.compiler import CompileError
 from fagen.compiler.sass import disassemble
-from fagen.spec import algorithm_for, load_spec_file
-from fagen.spec.specfile import Expansion
+from fagen.model import algorithm_for, load_spec_file
+from fagen.model.specfile import Expansion
 
 JOBS = os.cpu_count() or 1
 

@@ -118,7 +118,7 @@ def test_loading_a_packed_bundle_imports_no_build_stack(bundle_dir, tmp_path):
         bundle.select(bundle.kernels[0].key, tuple(bundle.kernels[0].compute_capability))
         loaded = [m for m in sys.modules
                   if m.split(".")[0] in ("jinja2", "pydantic", "yaml")
-                  or m.startswith(("cuda.bindings.nvrtc", "fagen.compiler", "fagen.codegen", "fagen.spec"))]
+                  or m.startswith(("cuda.bindings.nvrtc", "fagen.compiler", "fagen.codegen", "fagen.model"))]
         assert not loaded, loaded
     """)
     subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ,

@@ -10,8 +10,8 @@ import os
 from fagen import paths
 from fagen.build import build_bundle
 from fagen.bundle.format import read_manifest
-from fagen.spec import load_spec_file
-from fagen.spec.specfile import Expansion
+from fagen.model import load_spec_file
+from fagen.model.specfile import Expansion
 
 
 def test_the_document_mask_example_builds(tmp_path, kernel_cache):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from fagen.spec import KernelSpec
+from fagen.model import KernelSpec
 
 
 def spec_from(base: dict, **overrides) -> KernelSpec:

@@ -11,7 +11,7 @@ import pytest
 
 from fagen import build
 from fagen.compiler import CompileError
-from fagen.spec import Arch
+from fagen.model import Arch
 
 
 OPTIONS = {arch: None for arch in Arch}  # what _compile_all hands each task; unused by the fakes

@@ -18,7 +18,7 @@ import pytest
 
 from fagen import paths
 from fagen.cli import main
-from fagen.spec import ALGORITHMS, KernelSpec, SpecError, load_spec_file
+from fagen.model import ALGORITHMS, KernelSpec, SpecError, load_spec_file
 
 CI_SMALL = paths.specs_dir() / "ci-small.yaml"
 AVAILABLE = ", ".join(f"fa{v} {d}" for (v, d) in ALGORITHMS)
@@ -422,7 +422,7 @@ def test_ctrl_c_during_a_build_stops_the_queue(monkeypatch, tmp_path):
 
     monkeypatch.setattr(build, "_build_one", slow_compile)
     monkeypatch.setattr(build, "wait", interrupted_wait)
-    from fagen.spec import Arch
+    from fagen.model import Arch
 
     arch = Arch("sm90")
     rendered = [types.SimpleNamespace(spec=types.SimpleNamespace(arch=arch)) for _ in range(40)]

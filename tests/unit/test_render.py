@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fagen.codegen import render
-from fagen.spec import KernelSpec
+from fagen.model import KernelSpec
 
 SPECS = [
     KernelSpec.model_validate({"fa_version": version, "arch": arch, "dtype": dtype,

@@ -317,7 +317,7 @@ def test_runtime_imports_no_build_stack():
         except ImportError as exc:
             if "torch" not in str(exc):
                 raise
-        forbidden = ("pydantic", "jinja2", "fagen.spec", "fagen.codegen", "fagen.compiler",
+        forbidden = ("pydantic", "jinja2", "fagen.model", "fagen.codegen", "fagen.compiler",
                      "fagen.build", "fagen.bundle.writer", "cuda.bindings.nvrtc", "nvidia.cuda_nvrtc", "yaml")
         loaded = sorted(m for m in sys.modules if m.startswith(forbidden))
         print(",".join(loaded))

@@ -1,5 +1,5 @@
 """The names (and with them the spec hashes) of every shipped kernel are pinned: refactoring the
-spec layer must not rename or rebuild a shipped kernel by accident."""
+kernel model must not rename or rebuild a shipped kernel by accident."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fagen import paths
-from fagen.spec import load_spec_file
+from fagen.model import load_spec_file
 
 PINNED = Path(__file__).with_name("shipped_kernel_names.txt")
 

@@ -10,11 +10,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fagen.spec import ARCHS, SPEC_CLASSES, KernelSpec, SpecError, expand, load_spec_file
-from fagen.spec.arch import MAX_REGISTERS_PER_THREAD
-from fagen.spec.fa2 import Fa2Tile
-from fagen.spec.fa3 import Fa3Tile
-from fagen.spec.algorithms import SPEC_CLASSES
+from fagen.model import ARCHS, SPEC_CLASSES, KernelSpec, SpecError, expand, load_spec_file
+from fagen.model.arch import MAX_REGISTERS_PER_THREAD
+from fagen.model.fa2 import Fa2Tile
+from fagen.model.fa3 import Fa3Tile
+from fagen.model.algorithms import SPEC_CLASSES
 
 TABLE = tuple(row for spec in SPEC_CLASSES for row in spec.TUNING_ROWS)
 from spec_fields import refusal_of, spec_from
@@ -360,11 +360,11 @@ def test_fa1_and_fa4_name_the_masks_they_lack():
 
 def test_the_tuning_module_imports_no_algorithm():
     # Each algorithm owns its tuning rows (its TUNING, beside its model); the resolver imports
-    # none of the algorithm modules, so the spec package has no import cycle through it.
+    # none of the algorithm modules, so the model package has no import cycle through it.
     import ast
     import inspect
 
-    import fagen.spec.tuning as tuning
+    import fagen.model.tuning as tuning
 
     tree = ast.parse(inspect.getsource(tuning))  # run-time imports: the module's top level
     imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
@@ -427,7 +427,7 @@ def test_split_head_dims_an_algorithm_cannot_take_are_refused_by_name(fields, wo
     assert words in error_text(**fields)
 
 
-DOCUMENT_HEADER = "struct DocumentMask {};  // a stand-in: the spec layer reads no C++\n"
+DOCUMENT_HEADER = "struct DocumentMask {};  // a stand-in: the kernel model reads no C++\n"
 
 
 def write_mask_spec(tmp_path, header=DOCUMENT_HEADER, kernels=None):

@@ -7,8 +7,8 @@ import pytest
 
 from fagen import paths
 from fagen.codegen import render
-from fagen.spec import KernelSpec, load_spec_file
-from fagen.spec.fa1 import Fa1ForwardSpec, Fa1Tile
+from fagen.model import KernelSpec, load_spec_file
+from fagen.model.fa1 import Fa1ForwardSpec, Fa1Tile
 
 
 def fa1(**overrides) -> KernelSpec:

@@ -8,8 +8,8 @@ from functools import partial
 
 import pytest
 
-from fagen.spec import ARCHS
-from fagen.spec.fa2_bwd import Fa2BackwardSpec
+from fagen.model import ARCHS
+from fagen.model.fa2_bwd import Fa2BackwardSpec
 from spec_fields import refusal_of, spec_from
 
 WIDE = {"block_m": 64, "block_n": 128, "warps": 8, "stages": 2, "warp_keys": 32, "warp_queries": 32}

@@ -7,8 +7,8 @@ from functools import partial
 
 import pytest
 
-from fagen.spec import ARCHS
-from fagen.spec.fa3_bwd import Fa3BackwardSpec
+from fagen.model import ARCHS
+from fagen.model.fa3_bwd import Fa3BackwardSpec
 from spec_fields import refusal_of, spec_from
 
 TILE = {"block_n": 128, "warps": 12, "stages": 2}

@@ -8,8 +8,8 @@ import pydantic
 import pytest
 
 from fagen.codegen import render
-from fagen.spec import KernelSpec
-from fagen.spec.fa4 import TMEM_COLUMNS, Fa4Geometry, tmem_allocation
+from fagen.model import KernelSpec
+from fagen.model.fa4 import TMEM_COLUMNS, Fa4Geometry, tmem_allocation
 from spec_fields import refusal_of, spec_from
 
 TILE = {"block_m": 128, "block_n": 128, "warps": 12, "stages": 2}
@@ -43,7 +43,7 @@ def test_tmem_overflow_is_rejected_naming_columns():
 
 
 def test_tmem_limit_names_columns_when_it_is_the_only_problem(monkeypatch):
-    monkeypatch.setattr("fagen.spec.fa4.MAX_BLOCK_N", 256)
+    monkeypatch.setattr("fagen.model.fa4.MAX_BLOCK_N", 256)
     problems = Fa4Geometry(128, 128, 256, 12, 2).problems(10**9)
     assert len(problems) == 1 and "640 TMEM columns" in problems[0] and str(TMEM_COLUMNS) in problems[0]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fagen.spec.reference import REFERENCE_PATH, render_reference
+from fagen.model.reference import REFERENCE_PATH, render_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,8 +16,8 @@ def test_the_reference_page_is_the_models_output():
 
 
 def test_the_reference_names_every_field_and_algorithm():
-    from fagen.spec import KernelSpec
-    from fagen.spec.algorithms import SPEC_CLASSES
+    from fagen.model import KernelSpec
+    from fagen.model.algorithms import SPEC_CLASSES
 
     page = render_reference()
     for name in KernelSpec.model_fields:

@@ -79,7 +79,7 @@ struct Forward {
         const int batch = blockIdx.y;
         const int kv_head = head / (p.heads_q / p.heads_kv);
         const int warp_row = warp * 16;
-        // FA1 is the lineage's first step: the full and causal masks only (fagen/spec/fa1.py).
+        // FA1 is the lineage's first step: the full and causal masks only (fagen/model/fa1.py).
         static_assert(Config::kMask != algo::MaskKind::kLocal);
         const auto mask = algo::AttentionMask<Config::kMask>::of(p);
         const int m_blocks = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;

@@ -114,7 +114,7 @@ struct Backward {
                   "an odd number of 16-byte vectors per row keeps ldmatrix conflict-free");
     static_assert(Config::kStages == 1 || Config::kStages == 2);
 
-    // Shared-memory layout (byte offsets, fagen/spec/fa2_bwd.py re-derives them).
+    // Shared-memory layout (byte offsets, fagen/model/fa2_bwd.py re-derives them).
     static constexpr int kTileBytes = kBlockN * kPitch;           // K_j
     static constexpr int kVTileBytes = kBlockN * kVPitch;         // V_j
     static constexpr int kQTileBytes = kBlockM * kPitch;          // Q_i

@@ -14,7 +14,7 @@
 //             out 0 with no mask); one thread of warp 2 is the dQ writer, which adds the consumers'
 //             parts of dQ_i to the fp32 accumulator in global memory by TMA reductions (in
 //             deterministic mode in key-block order, behind a counter per query block).
-//   consumers (warpgroups 1 and 2) share the tile in one of two ways (fagen/spec/fa3_bwd.py
+//   consumers (warpgroups 1 and 2) share the tile in one of two ways (fagen/model/fa3_bwd.py
 //             derives which from their registers):
 //     key split (head_dim 64, 128; 128 keys): consumer c owns keys c*64 ... c*64+63 and keeps
 //             dK, dV for them in registers. Per step (query block i):
@@ -35,7 +35,7 @@
 //   that the global stores are whole 16-byte pieces.
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle; offsets from
-// fagen/spec/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
+// fagen/model/fa3_bwd.py): K, V (block_n rows), kStages Q and dO tiles (block_m rows), the dS^T
 // buffers (block_n rows of block_m = 64 elements: one swizzle atom wide), the column split's P^T
 // buffers (the same), the key split's dQ staging tiles (one per consumer, 64 rows x head_dim / 2
 // fp32 columns, in TMA boxes of 32 columns), kStages pairs of LSE and D (block_m floats each),
@@ -82,7 +82,7 @@ struct Backward {
     static constexpr int kStages = Config::kStages;
     static constexpr int kConsumers = 2;
     static constexpr int kConsumerThreads = kConsumers * 128;
-    // How the consumers share the tile (fagen/spec/fa3_bwd.py): the key split gives each its own
+    // How the consumers share the tile (fagen/model/fa3_bwd.py): the key split gives each its own
     // 64 keys with every column; the column split gives both the tile's 64 keys, each with
     // head_dim / 2 columns of dK, dV and the scores of half of the step's queries.
     static constexpr bool kColumnSplit = Config::kColumnSplit;
@@ -130,7 +130,7 @@ struct Backward {
                   Config::kSmemRowsOffset ==
                       Config::kSmemDqOffset + (kColumnSplit ? 0 : kConsumers * kDqStageBytes) &&
                   Config::kSmemBarrierOffset == Config::kSmemRowsOffset + kStages * 2 * kBlockM * 4,
-                  "fagen/spec/fa3_bwd.py lays shared memory out the same way");
+                  "fagen/model/fa3_bwd.py lays shared memory out the same way");
     static_assert(kQBytes % kAtom == 0 && kKVBytes % kAtom == 0 && kDsBytes % kAtom == 0);
 
     // Named barrier ids; 0 is __syncthreads.
@@ -162,7 +162,7 @@ struct Backward {
         }
         __device__ uint32_t lse(int st) const { return base + Config::kSmemRowsOffset + st * 2 * kBlockM * 4; }
         __device__ uint32_t d(int st) const { return lse(st) + kBlockM * 4; }
-        // mbarriers, 8 bytes each: kv_full; the dQ handover (fagen/spec/fa3_bwd.py, dq_barriers
+        // mbarriers, 8 bytes each: kv_full; the dQ handover (fagen/model/fa3_bwd.py, dq_barriers
         // says why they differ): per consumer dq_full and dq_empty (key split) or per consumer
         // and ring slot dq_full (column split); then per stage full (Q, dO, LSE, D) and empty.
         __device__ uint32_t kv_full() const { return base + Config::kSmemBarrierOffset; }

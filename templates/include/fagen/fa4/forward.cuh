@@ -231,7 +231,7 @@ struct Forward {
         const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
         using Mask = algo::AttentionMask<Config::kMask>;
         const Mask mask = Mask::of(prm);
-        // The full and causal masks only (fagen/spec/fa4.py: a window's left edge spilled).
+        // The full and causal masks only (fagen/model/fa4.py: a window's left edge spilled).
         static_assert(!Mask::kLeftEdge);
         const int key_end = mask.key_end(w.row_begin + row);
         const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);

@@ -12,7 +12,7 @@ import sys
 
 from pathlib import Path
 
-from fagen.spec import fa3, fa3_bwd
+from fagen.model import fa3, fa3_bwd
 
 # The forward's (S = Q K^T: block_n, O += P V: head_dim) and the backward's N values.
 WGMMA_N = tuple(sorted(set(fa3.WGMMA_N) | set(fa3_bwd.WGMMA_N)))

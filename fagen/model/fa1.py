@@ -97,8 +97,8 @@ def head_dim_problem(head_dim: int) -> str | None:
 # benchmark measures FA2 and FA3 against, so its tiles are plain, not tuned: 16 rows per warp
 # (the inner loop visits every query block of a head), 4 warps, and the widest key block
 # whose K and V tiles, with two Q buffers, fit 99 KB parts too where the arithmetic allows.
-# Register and shared-memory counts are the geometry's (fagen/spec/fa1.py). ----
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# Register and shared-memory counts are the geometry's (fagen/model/fa1.py). ----
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa1Tile(block_m=64, block_n=128, warps=4), 64,
               "64 x 128 tile: S 64 + O 32 regs per thread; Q 2 x 9 KB + K, V 2 x 18 KB = 54 KB"),

@@ -146,7 +146,7 @@ def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
 
 # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
 # H200 tile sweep of 2026-11-30 (bench/tile_sweep.py, docs/performance.md), seqlen 4k. ----
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa2Tile(block_m=128, block_n=64, warps=4, stages=2), 64,
               "32 rows per warp: each K/V fragment read from smem feeds 2 MMAs; 1.06x/1.02x "

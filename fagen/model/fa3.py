@@ -196,7 +196,7 @@ def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
 # (peel_masked_blocks): 1.00-1.03x the one-loop kernels at 1k-16k, both masks, in run 54;
 # head dims 128 and 256 measured 0.94-1.02x with it (the ping-pong tiles lowest) and keep
 # one loop.
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, early_first_qk=True,
                       peel_masked_blocks=True), 64,

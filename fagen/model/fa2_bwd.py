@@ -183,11 +183,11 @@ def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
 # dV) and 32 query rows (dQ) where the registers allow: each operand fragment read from
 # shared memory feeds two MMAs' worth of rows, 20 % fewer bytes per step than one-tile
 # warps, at the price of P^T through shared memory. Register and shared-memory counts are
-# the geometry's (fagen/spec/fa2_bwd.py) and ptxas's (sm90, bf16); speeds from the H200
+# the geometry's (fagen/model/fa2_bwd.py) and ptxas's (sm90, bf16); speeds from the H200
 # sweep of run 100 (bench.tile_sweep, bf16, 4k / 8k; 2026-12-01) against SDPA-FA2's backward
 # in the same run. sm80 rows are the sm90 tiles with one Q / dO stage (163 KB), measured
 # on the H200 (run 101), not on an A100. ----
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa2BwdTile(block_m=64, block_n=128, warps=8, stages=2, warp_keys=32,
                          warp_queries=32), 64,

@@ -211,7 +211,7 @@ class KernelSpec(BaseModel):
     ARCHS: ClassVar[tuple[Arch, ...]]
     WHY_ARCHS: ClassVar[str]
     REQUIRED_SASS: ClassVar[tuple[str, ...]]
-    # The algorithm's tuning rows (fagen/spec/tuning.py resolves `tile: auto` from them).
+    # The algorithm's tuning rows (fagen/model/tuning.py resolves `tile: auto` from them).
     TUNING_ROWS: ClassVar[tuple] = ()
     # The masks (contract.MASK_KINDS) the algorithm's kernels implement, and why not the others;
     # `custom` (a user's mask) only where an algorithm says so.

@@ -127,7 +127,7 @@ def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
 # 1/4: MUFU does 16 exp2/clk/SM, the FMA pipe 128 ops/clk/SM and the polynomial costs ~7
 # ops, so the pipes would balance near 1/2; the FMA pipe also carries the scale, max, sum
 # and conversions, hence a conservative 1/4 until measured. ----
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=4, exp2_emulation=0.25,
                       rescale_threshold=8.0), 64,

@@ -232,8 +232,8 @@ def head_dim_problem(head_dim: int) -> str | None:
 # ---- FA3 backward (wgmma + TMA, sm90a): one CTA per key block, two consumer warpgroups that
 # split its keys (head dims 64, 128: 64 keys each, dK and dV in registers) or its columns
 # (head dim 256), a producer warpgroup, steps of 64 queries (the kernel's structure,
-# fagen/spec/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
-# `tile: auto` tries this algorithm's rows (fagen/spec/tuning.py) in order, per head-dim bucket.
+# fagen/model/fa3_bwd.py). Speeds: H200 (2026-12-01), 2k / 8k. ----
+# `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
 TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa3BwdTile(block_n=128, warps=12, stages=2), 64,
               "dK + dV 64, S^T + dP^T 64 regs per consumer thread; two Q / dO stages keep the "
