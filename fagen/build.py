@@ -97,7 +97,7 @@ def _build_one(
     return compile_kernel(rendered, source_dir, options), False
 
 
-# How many compiled kernels of one target share an nvdisasm (fagen.compiler.sass: its start-up
+# How many compiled kernels of one target share one nvdisasm call (fagen.compiler.sass: its start-up
 # costs more than decoding a kernel); fewer wait for the last batch at the end of a build.
 SASS_BATCH = 8
 

@@ -1,5 +1,5 @@
-"""SASS instruction families of a cubin, read with cuobjdump or nvdisasm (pip
-nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).
+"""SASS instruction families of a cubin, read with cuobjdump or nvdisasm, from pip's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm.
 
 A build reads the families of every kernel it compiles. One nvdisasm process costs about 0.25 s
 of start-up whatever it reads (measured with NVRTC 13.5's tools), more than it then takes to

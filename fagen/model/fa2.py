@@ -15,7 +15,7 @@ from pydantic import Field
 from .. import contract
 from .arch import MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
-from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
+from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow
 
 MMA_M = 16  # mma.sync.m16n8k16: a warp's rows come in groups of 16
@@ -135,15 +135,6 @@ def head_dim_problem(head_dim: int) -> str | None:
     return mma_sync_head_dim_problem(head_dim, "the FA2 template")
 
 
-def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
-    """Why the FA2 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
-    if problem := head_dim_problem(head_dim_v):
-        return problem
-    if head_dim_v > head_dim:
-        return "it needs head_dim_v <= head_dim (the epilogue stages O through Q's buffer)"
-    return None
-
-
 # ---- FA2 forward (mma.sync). Register counts are ptxas's for sm90, bf16; speeds from the
 # H200 tile sweep of 2026-11-30 (bench/tile_sweep.py, docs/performance.md), seqlen 4k. ----
 # `tile: auto` tries this algorithm's rows (fagen/model/tuning.py) in order, per head-dim bucket.
@@ -180,7 +171,8 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa2ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
-    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
+        value_dim_rule(head_dim_problem, "the epilogue stages O through Q's buffer"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"

@@ -18,7 +18,7 @@ from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import Fa2ForwardSpec, mma_sync_head_dim_problem, row_pitch_bytes
-from .layout import TileGeometry, smem_limit_problems
+from .layout import TileGeometry, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow
 
 MMA_M = 16  # rows of an mma.sync m16n8k16 tile: the unit of a warp's keys and dQ rows
@@ -168,15 +168,6 @@ def head_dim_problem(head_dim: int) -> str | None:
     return mma_sync_head_dim_problem(head_dim, "the FA2 backward")
 
 
-def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
-    """Why the FA2 backward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
-    if problem := head_dim_problem(head_dim_v):
-        return problem
-    if head_dim_v > head_dim:
-        return "it needs head_dim_v <= head_dim, as the forward it differentiates"
-    return None
-
-
 # ---- FA2 backward (mma.sync): one CTA per key block keeps dK, dV in registers and walks
 # the query blocks. Shared memory's bandwidth runs out first (Nsight Compute, run 99: L1 75 %
 # busy, the warps' main stall the ldmatrix results), so the warps hold 32 keys (S^T, dK,
@@ -255,7 +246,8 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa2BackwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
-    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
+        value_dim_rule(head_dim_problem, "as the forward it differentiates"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"

@@ -20,7 +20,7 @@ from .arch import Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .layout import (
     ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, consumer_registers,
-    smem_limit_problems,
+    smem_limit_problems, value_dim_rule,
 )
 from .tuning import TuningRow
 
@@ -174,16 +174,6 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
-def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
-    """Why the FA3 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
-    if problem := head_dim_problem(head_dim_v):
-        return problem
-    if head_dim_v > head_dim:
-        return ("it needs head_dim_v <= head_dim (the tuning rows choose a tile by head_dim, "
-                "whose O must fit the consumers' registers)")
-    return None
-
-
 # ---- FA3 forward (wgmma + TMA, sm90a): consumer warpgroups of 64 rows + 1 producer
 # warpgroup, the softmax overlapped with the previous P V inside each warpgroup, a
 # persistent grid (the kernel's structure, each measured in the ablations listed in
@@ -292,7 +282,9 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa3ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
-    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(value_dim_rule(
+        head_dim_problem, "the tuning rows choose a tile by head_dim, whose O must fit the "
+        "consumers' registers"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"

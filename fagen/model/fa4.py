@@ -17,7 +17,7 @@ from pydantic import Field
 from .. import contract
 from .arch import Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
-from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems
+from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow
 
 BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
@@ -112,15 +112,6 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
-def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
-    """Why the FA4 forward cannot take v's head dim `head_dim_v` beside `head_dim`, or None."""
-    if problem := head_dim_problem(head_dim_v):
-        return problem
-    if head_dim_v > head_dim:
-        return "it needs head_dim_v <= head_dim (the epilogue stages O through the Q tile)"
-    return None
-
-
 # ---- FA4 forward (tcgen05 + TMEM, sm100a): 128 query rows, 12 role warps. Not yet run on a
 # B200: the numbers below are derived, not measured. In every row rescale_threshold 8 is the
 # FA4 paper's log2(256): probabilities stay <= 256, harmless for fp32 O and l. exp2_emulation
@@ -147,7 +138,8 @@ TUNING: tuple[TuningRow, ...] = (
 class Fa4ForwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
-    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
+        value_dim_rule(head_dim_problem, "the epilogue stages O through the Q tile"))
     FA_VERSION: ClassVar[int] = 4
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa4_fwd_sm100.cu.j2"

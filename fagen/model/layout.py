@@ -3,6 +3,7 @@ TMA ring layout of the FA3 and FA4 kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
@@ -27,6 +28,19 @@ def consumer_registers(threads: int, consumers: int, producer_registers: int) ->
     `producer_registers`: what is left of the launch's registers, in granules."""
     share = (launch_registers(threads) * (consumers + 1) - producer_registers) // consumers
     return min(MAX_REGISTERS_PER_THREAD, share) // SETMAXNREG_GRANULE * SETMAXNREG_GRANULE
+
+
+def value_dim_rule(head_dim_problem: Callable[[int], str | None],
+                   why: str) -> Callable[[int, int], str | None]:
+    """A HEAD_DIM_V_RULE (fagen/model/base.py) for an algorithm whose v head dim must be one of
+    its head dims and at most q/k's, `why` saying what bounds it."""
+    def rule(head_dim: int, head_dim_v: int) -> str | None:
+        if problem := head_dim_problem(head_dim_v):
+            return problem
+        if head_dim_v > head_dim:
+            return f"it needs head_dim_v <= head_dim ({why})"
+        return None
+    return rule
 
 
 def smem_limit_problems(geometry, max_smem: int) -> list[str]:
