@@ -24,6 +24,7 @@ import torch
 
 from bench import cuda_missing
 from bench.attention import DIRECTION_FLOPS, HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples, tflops
+from bench.window import timed
 from fagen.torch import flash_attn_func, get_bundle
 
 HEAD_DIM = 128
@@ -60,17 +61,12 @@ def measure(document_length: int, direction: str, bundle, causal_bundle, repeats
     documents = (torch.arange(seqlen, device="cuda", dtype=torch.int32) // document_length).view(1, seqlen)
     row = {"document_length": document_length, "seqlen": seqlen, "direction": direction, "ms": {}, "errors": {}}
 
-    def timed(attention):
-        if direction == "fwd":
-            return lambda: attention(q, k, v)
-        out = attention(q, k, v)
-        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
     def fagen_document(q, k, v):
         return flash_attn_func(q, k, v, mask_mod="document", mask_args=documents, bundle=bundle)
 
-    contenders = {"fagen": timed(fagen_document),
-                  "causal": timed(lambda q, k, v: flash_attn_func(q, k, v, causal=True, bundle=causal_bundle))}
+    contenders = {"fagen": timed(direction, fagen_document, q, k, v, dout),
+                  "causal": timed(direction, lambda q, k, v: flash_attn_func(q, k, v, causal=True, bundle=causal_bundle),
+                                  q, k, v, dout)}
     flex, why = flex_document_attention(documents)
     if flex is None:
         row["errors"]["flex"] = why
@@ -78,7 +74,7 @@ def measure(document_length: int, direction: str, bundle, causal_bundle, repeats
         try:
             with torch.no_grad():
                 row["max_abs_diff_vs_flex"] = (fagen_document(q, k, v).float() - flex(q, k, v).float()).abs().max().item()
-            contenders["flex"] = timed(flex)
+            contenders["flex"] = timed(direction, flex, q, k, v, dout)
         except Exception as exc:  # torch.compile's errors are of many types
             row["errors"]["flex"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     samples = rotating_samples({name: functools.partial(median_ms, fn) for name, fn in contenders.items()},

@@ -32,7 +32,7 @@ from bench import cuda_missing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.attention import HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples, tflops
-from bench.window import visible_pairs
+from bench.window import timed, visible_pairs
 from fagen.torch import flash_attn_func, get_bundle
 
 # variant: (head dims, the windows (left sizes; None: causal without one), the call's options)
@@ -83,16 +83,11 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
     row = {"variant": variant, "head_dim": head_dim, "window": window, "seqlen": seqlen, "direction": direction,
            "ms": {}, "errors": {}}
 
-    def timed(attention):
-        if direction == "fwd":
-            return lambda: attention(q, k, v)
-        out = attention(q, k, v)
-        inputs = (q, k, v)
-        return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
-
-    contenders = {"fagen": timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, **options, bundle=bundle))}
+    contenders = {"fagen": timed(direction, lambda q, k, v: flash_attn_func(q, k, v, **mask, **options, bundle=bundle),
+                                 q, k, v, dout)}
     if variant != "split":  # no kernel of the same shape without the split to compare with
-        contenders["plain"] = timed(lambda q, k, v: flash_attn_func(q, k, v, **mask, bundle=bundle))
+        contenders["plain"] = timed(direction, lambda q, k, v: flash_attn_func(q, k, v, **mask, bundle=bundle),
+                                    q, k, v, dout)
     else:
         def cudnn(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -105,7 +100,7 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
                 theirs = cudnn(q, k, v)
                 ours = flash_attn_func(q, k, v, **mask, bundle=bundle)
             row["max_abs_diff_vs_cuDNN"] = (ours.float() - theirs.float()).abs().max().item()
-            contenders["cuDNN"] = timed(cudnn)
+            contenders["cuDNN"] = timed(direction, cudnn, q, k, v, dout)
         except RuntimeError as exc:  # SDPA's "no kernel for these inputs"
             row["errors"]["cuDNN"] = str(exc).splitlines()[0]
     if fa4 is None:
@@ -119,7 +114,7 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
                 out = fa4(q, k, v, **fa4_mask, **options)
                 return out[0] if isinstance(out, tuple) else out  # (out, lse) in some versions
 
-            contenders["FA4"] = timed(theirs_of)
+            contenders["FA4"] = timed(direction, theirs_of, q, k, v, dout)
             with torch.no_grad():
                 theirs = theirs_of(q, k, v)
                 ours = flash_attn_func(q, k, v, **mask, **options, bundle=bundle)

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from attention_reference import forward_failures, gradient_failures  # noqa: E402
 from test_fa2_fwd import poison_allocator, require_kernel  # noqa: E402
+from test_score import MASKS, SIZE_IDS, SIZES  # noqa: E402  (the same masks and sizes as the modifiers')
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
@@ -23,12 +24,6 @@ pytestmark = [
 ]
 
 HEAD_DIM, HEAD_DIM_V = 192, 128
-# (window_size, causal): full, causal, a causal window and a two-sided one (local).
-MASKS = {"full": ((-1, -1), False), "causal": ((-1, -1), True), "causal-window": ((100, 0), True),
-         "window": ((64, 32), False)}
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
-SIZES = ((1, 1, 1, 1, 1), (2, 300, 300, 4, 2), (1, 77, 700, 3, 1), (2, 700, 77, 2, 2), (1, 1100, 1100, 2, 2))
-SIZE_IDS = ["x".join(map(str, s)) for s in SIZES]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
