@@ -13,7 +13,8 @@ import ctypes
 # 4: the score modifiers (contract.Score): softcap_scale, alibi_slopes, alibi_batch_stride, sinks;
 #    the backward's dsinks and sink_partials.
 # 5: mask_args (a custom mask's device arguments).
-ABI_VERSION = 5
+# 6: FwdParams' serving fields (cu_seqlens_q ... lse_partial; contract.LAYOUTS).
+ABI_VERSION = 6
 
 _c_longlong = ctypes.c_longlong
 
@@ -52,6 +53,15 @@ class FwdParams(ctypes.Structure):
         ("lse", ctypes.c_void_p),
         *_strides("q", "k", "v", "o"),
         *_PROBLEM,
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("seqused_k", ctypes.c_void_p),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_batch_stride", _c_longlong),
+        ("page_size", ctypes.c_int),
+        ("pages", ctypes.c_int),
+        ("num_splits", ctypes.c_int),
+        ("o_partial", ctypes.c_void_p),
+        ("lse_partial", ctypes.c_void_p),
     ]
 
 

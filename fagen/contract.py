@@ -6,7 +6,8 @@ it on machines without pydantic, Jinja or NVRTC. The C++ side gets the same defi
 generated header, ``include/fagen/contract.h`` (``render_contract_header``), written into every
 bundle beside ``index.h``.
 
-- the kernel key: what a caller asks a bundle for (``fwd/bf16/hd128/causal``), format and parse;
+- the kernel key: what a caller asks a bundle for (``fwd/bf16/hd128/causal``,
+  ``fwd/bf16/hd128/local/paged``), format and parse;
 - the mask rule: which mask kind and window sizes a call's ``causal`` and ``window_size`` mean;
 - the shared limits the kernels' inputs must meet (head dims, alignment, strides, grid);
 - the softmax-scale rule: which ``softmax_scale`` values the kernels answer correctly, and the
@@ -40,15 +41,27 @@ _CUSTOM_MASK_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # algo/online_softmax.cuh and the backward's algo/backward_rows.cuh), in the order a key spells
 # them.
 SCORE_MODS = ("softcap", "alibi", "sinks")
+# How a call lays out its tensors: `dense` (flash_attn_func: q (batch, seqlen_q, ...), k and v
+# (batch, seqlen_k, ...)), `paged` (flash_attn_with_kvcache: K/V in a cache, per batch row a
+# length and either a contiguous block or pages through a block table; q dense or packed by
+# cu_seqlens_q; FagenFwdParams' serving fields). The first is every key's default.
+LAYOUTS = ("dense", "paged")
 # The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The head
 # dims are q and k's, and v's after a `v` where it differs (head_dims_name: 128, 192v128); the
-# variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name).
+# variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name); a
+# layout other than dense follows as a last part (fwd/bf16/hd128/local/paged).
 KEY_FORMAT = "{direction}/{dtype}/hd{head_dims}/{variant}"
+LAYOUT_SUFFIX = "/{layout}"
 _KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dims": "[0-9]+(?:v[0-9]+)?",
-               "variant": "[a-z0-9_+]+"}
-_KEY = re.compile("^" + "".join(
-    re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
-    for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT)) + "$")
+               "variant": "[a-z0-9_+]+", "layout": "[a-z]+"}
+
+
+def _key_pattern(key_format: str) -> str:
+    return "".join(re.escape(literal) + (f"(?P<{field}>{_KEY_FIELDS[field]})" if field else "")
+                   for literal, field, _, _ in string.Formatter().parse(key_format))
+
+
+_KEY = re.compile(f"^{_key_pattern(KEY_FORMAT)}(?:{_key_pattern(LAYOUT_SUFFIX)})?$")
 
 
 def custom_mask_name_problem(name: object) -> str | None:
@@ -90,13 +103,15 @@ class KernelKey:
     mask: str  # one of MASKS, or a custom mask's name
     mods: tuple[str, ...] = ()  # of SCORE_MODS, in its order
     head_dim_v: int | None = None  # v's and the output's where it differs from head_dim
+    layout: str = LAYOUTS[0]
 
     def __post_init__(self):
         if self.head_dim_v == self.head_dim:  # one head dim: spelled once
             object.__setattr__(self, "head_dim_v", None)
 
     def __str__(self) -> str:
-        return kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.mods, self.head_dim_v)
+        return kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.mods, self.head_dim_v,
+                          self.layout)
 
     @classmethod
     def parse(cls, text: str) -> "KernelKey | None":
@@ -112,15 +127,21 @@ class KernelKey:
         head_dim, _, head_dim_v = found["head_dims"].partition("v")
         if head_dim_v == head_dim:  # spelled once where they agree
             return None
+        layout = found["layout"] or LAYOUTS[0]
+        if layout not in LAYOUTS or found["layout"] == LAYOUTS[0]:  # dense is never spelled
+            return None
         return cls(found["direction"], found["dtype"], int(head_dim), mask, tuple(mods),
-                   int(head_dim_v) if head_dim_v else None)
+                   int(head_dim_v) if head_dim_v else None, layout)
 
 
 def kernel_key(direction: str, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = (),
-               head_dim_v: int | None = None) -> str:
-    return KEY_FORMAT.format(direction=direction, dtype=dtype,
-                             head_dims=head_dims_name(head_dim, head_dim_v),
-                             variant=variant_name(mask, mods))
+               head_dim_v: int | None = None, layout: str = LAYOUTS[0]) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: one of {', '.join(LAYOUTS)}")
+    key = KEY_FORMAT.format(direction=direction, dtype=dtype,
+                            head_dims=head_dims_name(head_dim, head_dim_v),
+                            variant=variant_name(mask, mods))
+    return key if layout == LAYOUTS[0] else key + LAYOUT_SUFFIX.format(layout=layout)
 
 
 # ---------------------------------------------------------------------------- mask rule
@@ -165,6 +186,17 @@ def call_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_
         return Mask("causal")
     unbounded = seqlen_q + seqlen_k
     return Mask("local", unbounded if left < 0 else left, unbounded if right < 0 else right)
+
+
+def banded(mask: Mask, seqlen_q: int, seqlen_k: int) -> Mask:
+    """A built-in mask as the band a local kernel takes (the paged layout's kernels take every
+    built-in mask so): full is both edges unbounded, causal the right edge at 0."""
+    if mask.kind == "local":
+        return mask
+    if mask.kind not in MASKS:
+        raise MaskError(f"mask {mask.kind!r}: a built-in mask ({', '.join(MASKS)}) has no band")
+    unbounded = seqlen_q + seqlen_k
+    return Mask("local", unbounded, 0 if mask.kind == "causal" else unbounded)
 
 
 # ---------------------------------------------------------------------------- score rule
@@ -303,7 +335,10 @@ def path_problem(path: object) -> str | None:
 #   heads:      (heads_q, batch, 1), one CTA walks every block of a head (FA1)
 #   key_blocks: (ceil(seqlen_k / block_n), heads_kv, batch), one key block per CTA, which walks
 #               every query block of the query heads its K/V head serves (backward)
-GRIDS = ("tiles", "persistent", "heads", "key_blocks")
+#   splits:     (num_splits, packed query blocks * heads_kv, batch): the query rows of one K/V
+#               head (its query heads' rows side by side, seqlen_q * heads_q / heads_kv of them)
+#               in blocks of block_m, and the keys in num_splits ranges (split_count)
+GRIDS = ("tiles", "persistent", "heads", "key_blocks", "splits")
 
 # Backward kernels: one cubin, three entry points run in this order on one stream. The
 # preprocess kernel (<name>_preprocess) fills the workspace (rowsum(dO * O), LSE in base 2,
@@ -326,6 +361,66 @@ DQ_ACCUM_ROW_ALIGN = 16
 # The preprocess sums dL/dsink per warp of 16 query rows (templates/include/fagen/algo/
 # backward_rows.cuh); the dQ conversion adds those partials up.
 SINK_PARTIAL_ROWS = 16
+
+
+# Split-KV kernels (grid `splits`): a second entry point, <name>_combine, merges the partial
+# results when num_splits > 1: a warp per (query token, query head), COMBINE_ROWS_PER_CTA of them
+# per CTA, grid (ceil(batch * seqlen_q * heads_q / COMBINE_ROWS_PER_CTA), 1, 1), no dynamic
+# shared memory.
+SPLIT_COMBINE_SUFFIX = "_combine"
+COMBINE_ROWS_PER_CTA = 4
+COMBINE_THREADS = 128
+# The most splits of one (batch row, KV head, query block): the combine reads a partial row per
+# split, and 64 splits of 256 keys already cover 16k keys with 2 KV heads on 132 SMs in one wave.
+MAX_SPLITS = 64
+# split_count takes the fewest splits whose last wave is at least this full (relative to the
+# best count's): more splits than that cost partial writes and combine reads for no fuller wave.
+SPLIT_WAVE_FILL = 0.85
+
+
+def split_count(ctas: int, keys: int, slots: int, min_split_keys: int) -> int:
+    """The splits of a split-KV launch: `ctas` units of work ((batch row, KV head, query
+    block)s) of at most `keys` keys each (a cache's capacity, not its lengths: the grid is sized
+    before the lengths are read, so a captured CUDA graph replays with any), on a GPU of `slots`
+    SMs. The fewest splits whose wave fill (waves / ceil(waves), a wave one CTA per SM) is
+    within SPLIT_WAVE_FILL of the best count's, up to MAX_SPLITS and no split under
+    `min_split_keys` keys (Launch.min_split_keys). Waves of one CTA per SM, although two fit:
+    bench.decode --sweep on the H200 (2026-12-02, hd128, 32:8 heads) measured batch 1 x 64k keys
+    at 3055 GB/s with 16 splits (a CTA per SM) against 2845 with 29 (two per SM), and batch
+    2 / 4 / 8 / 16 best at 8 / 4-8 / 2 / 1 splits, the counts this rule gives (within 1-4 %
+    elsewhere). Mirrored by fagen.hpp's split_count."""
+    if ctas <= 0 or keys <= 0 or slots <= 0:
+        return 1
+    limit = max(1, min(MAX_SPLITS, keys // max(min_split_keys, 1)))
+
+    def fill(splits: int) -> float:
+        waves = ctas * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(fill(n) for n in range(1, limit + 1))
+    return next(n for n in range(1, limit + 1) if fill(n) >= SPLIT_WAVE_FILL * best)
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """The fp32 partial results of a split-KV launch with num_splits > 1, as float offsets into
+    one buffer (FagenFwdParams o_partial, lse_partial): o_partial (num_splits, batch * seqlen_q,
+    heads_q, head_dim_v), lse_partial (num_splits, heads_q, batch * seqlen_q); none for 1."""
+
+    o_partial: int
+    lse_partial: int
+    floats: int
+
+    @classmethod
+    def of(cls, num_splits: int, batch: int, seqlen_q: int, heads_q: int, head_dim_v: int) -> "SplitWorkspace":
+        if num_splits <= 1:
+            return cls(0, 0, 0)
+        rows = num_splits * batch * seqlen_q * heads_q
+        return cls(o_partial=0, lse_partial=rows * head_dim_v, floats=rows * (head_dim_v + 1))
+
+
+def combine_grid(batch: int, seqlen_q: int, heads_q: int) -> tuple[int, int, int]:
+    return (-(-batch * seqlen_q * heads_q // COMBINE_ROWS_PER_CTA), 1, 1)
 
 
 def dq_accum_rows(seqlen_q: int) -> int:
@@ -378,6 +473,7 @@ class Launch:
     tma_kv_rows: int = 0
     workspace_floats_per_row: int = 0
     block_n: int = 0  # keys per CTA of a key_blocks grid
+    min_split_keys: int = 0  # a splits grid: the fewest keys worth a split (split_count)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Launch":
@@ -390,7 +486,7 @@ class Launch:
         return cls(**d)
 
     def grid_dims(self, seqlen_q: int, heads_q: int, batch: int, multiprocessors: int,
-                  seqlen_k: int = 0, heads_kv: int = 0) -> tuple[int, int, int]:
+                  seqlen_k: int = 0, heads_kv: int = 0, num_splits: int = 1) -> tuple[int, int, int]:
         m_blocks = -(-seqlen_q // self.block_m)
         if self.grid == "persistent":
             return (min(m_blocks * heads_q * batch, multiprocessors), 1, 1)
@@ -398,6 +494,9 @@ class Launch:
             return (heads_q, batch, 1)
         if self.grid == "key_blocks":
             return (-(-seqlen_k // self.block_n), heads_kv, batch)
+        if self.grid == "splits":
+            packed_blocks = -(-seqlen_q * (heads_q // heads_kv) // self.block_m)
+            return (num_splits, packed_blocks * heads_kv, batch)
         return (m_blocks, heads_q, batch)
 
     def workspace_floats(self, seqlen_q: int, heads_q: int, batch: int) -> int:
@@ -475,12 +574,47 @@ struct GridDims {
     long long x, y, z;
 };
 inline GridDims grid_dims(int grid, int block_m, int block_n, long long seqlen_q, long long heads_q, long long batch,
-                          long long sms, long long seqlen_k, long long heads_kv) {
+                          long long sms, long long seqlen_k, long long heads_kv, long long num_splits = 1) {
     const long long m_blocks = (seqlen_q + block_m - 1) / block_m;
     if (grid == FAGEN_GRID_PERSISTENT) return {m_blocks * heads_q * batch < sms ? m_blocks * heads_q * batch : sms, 1, 1};
     if (grid == FAGEN_GRID_HEADS) return {heads_q, batch, 1};
     if (grid == FAGEN_GRID_KEY_BLOCKS) return {(seqlen_k + block_n - 1) / block_n, heads_kv, batch};
+    if (grid == FAGEN_GRID_SPLITS) {
+        const long long packed_blocks = (seqlen_q * (heads_q / heads_kv) + block_m - 1) / block_m;
+        return {num_splits, packed_blocks * heads_kv, batch};
+    }
     return {m_blocks, heads_q, batch};
+}
+/* split_count: the splits of a split-KV launch (slots: the device's SMs). */
+inline int split_count(long long ctas, long long keys, long long slots, long long min_split_keys) {
+    if (ctas <= 0 || keys <= 0 || slots <= 0) return 1;
+    long long limit = keys / (min_split_keys > 1 ? min_split_keys : 1);
+    limit = limit < FAGEN_MAX_SPLITS ? limit : FAGEN_MAX_SPLITS;
+    limit = limit > 1 ? limit : 1;
+    auto fill = [&](long long splits) {
+        const double waves = double(ctas * splits) / double(slots);
+        const long long whole = (ctas * splits + slots - 1) / slots;
+        return waves / double(whole);
+    };
+    double best = 0.0;
+    for (long long n = 1; n <= limit; ++n) best = fill(n) > best ? fill(n) : best;
+    for (long long n = 1; n <= limit; ++n)
+        if (fill(n) >= FAGEN_SPLIT_WAVE_FILL * best) return int(n);
+    return 1;
+}
+/* SplitWorkspace.of: float offsets of o_partial and lse_partial in one fp32 buffer of `floats`. */
+struct SplitWorkspace {
+    long long o_partial, lse_partial, floats;
+};
+inline SplitWorkspace split_workspace(long long num_splits, long long batch, long long seqlen_q, long long heads_q,
+                                      long long head_dim_v) {
+    if (num_splits <= 1) return {0, 0, 0};
+    const long long rows = num_splits * batch * seqlen_q * heads_q;
+    return {0, rows * head_dim_v, rows * (head_dim_v + 1)};
+}
+/* combine_grid: the grid of a split-KV kernel's combine entry point. */
+inline GridDims combine_grid(long long batch, long long seqlen_q, long long heads_q) {
+    return {(batch * seqlen_q * heads_q + FAGEN_COMBINE_ROWS_PER_CTA - 1) / FAGEN_COMBINE_ROWS_PER_CTA, 1, 1};
 }
 /* bwd_row_grid: the grid of a backward's preprocess and dQ kernels. */
 inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long batch) {
@@ -542,6 +676,14 @@ def render_contract_header() -> str:
         f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
         f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
         f"#define FAGEN_SINK_PARTIAL_ROWS {SINK_PARTIAL_ROWS}",
+        "/* Split-KV kernels: the combine entry point and split_count's limits (fagen/contract.py). */",
+        f"#define FAGEN_SPLIT_COMBINE_SUFFIX \"{SPLIT_COMBINE_SUFFIX}\"",
+        f"#define FAGEN_COMBINE_ROWS_PER_CTA {COMBINE_ROWS_PER_CTA}",
+        f"#define FAGEN_COMBINE_THREADS {COMBINE_THREADS}",
+        f"#define FAGEN_MAX_SPLITS {MAX_SPLITS}",
+        f"#define FAGEN_SPLIT_WAVE_FILL {SPLIT_WAVE_FILL!r}",
+        "/* The tensor layouts, in the order of fagen/contract.py's LAYOUTS (dense: no key suffix). */",
+        "#define FAGEN_LAYOUT_NAMES {" + ", ".join(f'"{name}"' for name in LAYOUTS) + "}",
         "",
         "#ifdef __cplusplus",
         "#include <string>",
@@ -562,8 +704,10 @@ def render_contract_header() -> str:
         f"   \"{kernel_key('bwd', 'bf16', 192, 'causal', (), 128)}\" (variant: variant_name; head_dim_v 0: the",
         "   same as head_dim). */",
         "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
-        "const std::string& variant, int head_dim_v = 0) {",
-        f"    return {_cpp_key_expression()};",
+        "const std::string& variant, int head_dim_v = 0, const std::string& layout = "
+        f"\"{LAYOUTS[0]}\") {{",
+        f"    const std::string key = {_cpp_key_expression()};",
+        f"    return layout == \"{LAYOUTS[0]}\" ? key : key + \"{LAYOUT_SUFFIX.split('{')[0]}\" + layout;",
         "}",
         _CPP_RULES.rstrip("\n"),
         "}  // namespace fagen",

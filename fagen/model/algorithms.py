@@ -8,38 +8,43 @@ from typing import Annotated, Any, Union
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from .. import contract
 from .base import KernelSpec
 from .fa1 import Fa1ForwardSpec
 from .fa2 import Fa2ForwardSpec
 from .fa2_bwd import Fa2BackwardSpec
+from .fa2_split_kv import Fa2SplitKvSpec
 from .fa3 import Fa3ForwardSpec
 from .fa3_bwd import Fa3BackwardSpec
 from .fa4 import Fa4ForwardSpec
 
 SPEC_CLASSES: tuple[type[KernelSpec], ...] = (
     Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec, Fa2BackwardSpec,
-    Fa3BackwardSpec)
-ALGORITHMS: dict[tuple[int, str], type[KernelSpec]] = {
-    (c.FA_VERSION, c.DIRECTION): c for c in SPEC_CLASSES}
+    Fa3BackwardSpec, Fa2SplitKvSpec)
+ALGORITHMS: dict[tuple[int, str, str], type[KernelSpec]] = {
+    (c.FA_VERSION, c.DIRECTION, layout): c for c in SPEC_CLASSES for layout in c.LAYOUTS}
+_DENSE = contract.LAYOUTS[0]
 
 
-def _tag(fa_version: Any, direction: Any) -> str:
-    return f"fa{fa_version}-{direction}"
+def _tag(fa_version: Any, direction: Any, layout: Any = _DENSE) -> str:
+    return f"fa{fa_version}-{direction}" + ("" if layout == _DENSE else f"-{layout}")
 
 
 def _discriminate(value: Any) -> str | None:
     if isinstance(value, dict):
-        return _tag(value.get("fa_version"), value.get("direction", "fwd"))
-    return _tag(getattr(value, "fa_version", None), getattr(value, "direction", None))
+        return _tag(value.get("fa_version"), value.get("direction", "fwd"), value.get("layout", _DENSE))
+    return _tag(getattr(value, "fa_version", None), getattr(value, "direction", None),
+                getattr(value, "layout", _DENSE))
 
 
 def available() -> str:
-    return ", ".join(f"fa{v} {d}" for (v, d) in ALGORITHMS)
+    return ", ".join(f"fa{v} {d}" + ("" if layout == _DENSE else f" {layout}")
+                     for (v, d, layout) in ALGORITHMS)
 
 
 # The union itself, for pydantic models that hold a spec (SPEC_ADAPTER validates one alone).
 AnyKernelSpec = Annotated[
-    Union[tuple(Annotated[c, Tag(_tag(c.FA_VERSION, c.DIRECTION))] for c in SPEC_CLASSES)],
+    Union[tuple(Annotated[c, Tag(_tag(c.FA_VERSION, c.DIRECTION, c.LAYOUTS[0]))] for c in SPEC_CLASSES)],
     Discriminator(_discriminate, custom_error_type="algorithm",
                   custom_error_message=f"no algorithm with this fa_version and direction "
                   f"(available: {available()})"),
@@ -47,8 +52,8 @@ AnyKernelSpec = Annotated[
 SPEC_ADAPTER: TypeAdapter = TypeAdapter(AnyKernelSpec)
 
 
-def algorithm_for(fa_version: int, direction: str) -> type[KernelSpec] | None:
-    return ALGORITHMS.get((fa_version, direction))
+def algorithm_for(fa_version: int, direction: str, layout: str = _DENSE) -> type[KernelSpec] | None:
+    return ALGORITHMS.get((fa_version, direction, layout))
 
 
 def _error(message: str, loc: tuple, value: Any) -> ValidationError:
@@ -64,9 +69,11 @@ def spec_class(fields: Any) -> type[KernelSpec]:
     if not isinstance(fields, dict):
         raise _error(f"a kernel spec is a mapping of fields, got {type(fields).__name__}", (), fields)
     version, direction = fields.get("fa_version"), fields.get("direction", "fwd")
-    found = None if isinstance(version, bool) else ALGORITHMS.get((version, direction))
+    layout = fields.get("layout", _DENSE)
+    found = None if isinstance(version, bool) else ALGORITHMS.get((version, direction, layout))
     if found is None:
-        asked = f"fa_version={version!r}" + ("" if direction == "fwd" else f" direction={direction}")
+        asked = (f"fa_version={version!r}" + ("" if direction == "fwd" else f" direction={direction}")
+                 + ("" if layout == _DENSE else f" layout={layout}"))
         raise _error(f"{asked}: fagen has no kernel template for it (available: {available()})",
                      (), version)
     return found

@@ -221,6 +221,9 @@ class KernelSpec(BaseModel):
     # the others.
     SCORE_MODS: ClassVar[tuple[str, ...]] = contract.SCORE_MODS
     WHY_SCORE_MODS: ClassVar[str] = ""
+    # The tensor layouts (contract.LAYOUTS) the algorithm's kernels take; algorithms.py finds a
+    # spec's class by (fa_version, direction, layout).
+    LAYOUTS: ClassVar[tuple[str, ...]] = contract.LAYOUTS[:1]
 
     fa_version: int = Field(description="the algorithm: 1-4 (FlashAttention's versions; with "
                             "`direction` it picks the template, below)")
@@ -251,6 +254,11 @@ class KernelSpec(BaseModel):
         "the slopes given at run time), sinks (a learnable logit per head in each row's "
         "softmax, with its gradient); none (the default) for plain scores. A list builds one "
         "kernel per entry, like every other field")
+    layout: Literal[contract.LAYOUTS] = Field(
+        contract.LAYOUTS[0], description="how a call lays out its tensors: dense (flash_attn_func: "
+        "(batch, seqlen, heads, head_dim)) or paged (flash_attn_with_kvcache: K/V in a cache of "
+        "pages or one block per sequence, each sequence's length at run time, split-KV decoding; "
+        "fa_version 2 only)")
     tile: TileBase
     max_seqlen_k: int | None = Field(
         None, gt=0, description="the runtime prefers this kernel for calls with at most this "
@@ -279,6 +287,8 @@ class KernelSpec(BaseModel):
             data.pop("head_dim_v", None)
         if data.get("custom_mask") is None:
             data.pop("custom_mask", None)
+        if data.get("layout") == contract.LAYOUTS[0]:
+            data.pop("layout", None)
         if data.get("mask") in ("full", "causal"):
             data["causal"] = data.pop("mask") == "causal"
         return data
@@ -464,17 +474,18 @@ class KernelSpec(BaseModel):
     def name(self) -> str:
         """The kernel symbol: unmangled, `extern "C"`, unique per canonical spec."""
         bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
+        layout = "" if self.layout == contract.LAYOUTS[0] else f"_{self.layout}"
         return (
             f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
             f"hd{contract.head_dims_name(self.head_dim, self.head_dim_v)}_"
-            f"{self.variant.replace('+', '_')}_{self.tile.short}{bound}_{self.short_hash}"
+            f"{self.variant.replace('+', '_')}{layout}_{self.tile.short}{bound}_{self.short_hash}"
         )
 
     @property
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
         return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask_name, self.score,
-                                   self.head_dim_v)
+                                   self.head_dim_v, self.layout)
 
     @property
     def mask_name(self) -> str:

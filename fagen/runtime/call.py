@@ -69,12 +69,18 @@ class Problem:
     # A custom mask's name (a bundle's kernels built with it; its arguments are ScoreTensors'
     # mask_args): it replaces causal and window_size, which stay False and (-1, -1).
     mask_mod: str | None = None
+    # contract.LAYOUTS: paged is a call over a KV cache (fagen.runtime.kvcache), whose seqlen_q
+    # and seqlen_k are the longest row's and the cache's capacity per row.
+    layout: str = contract.LAYOUTS[0]
 
     @property
     def mask(self) -> contract.Mask:
         if self.mask_mod is not None:
             return contract.Mask(self.mask_mod)
-        return contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
+        mask = contract.call_mask(self.causal, self.window_size, self.seqlen_q, self.seqlen_k)
+        if self.layout == "paged":  # its kernels take every built-in mask as a band
+            return contract.banded(mask, self.seqlen_q, self.seqlen_k)
+        return mask
 
     @property
     def value_dim(self) -> int:
@@ -83,7 +89,7 @@ class Problem:
 
     def direction_key(self, direction: str) -> str:
         return contract.kernel_key(direction, self.dtype, self.head_dim, self.mask.kind, self.score.mods,
-                                   self.head_dim_v)
+                                   self.head_dim_v, self.layout)
 
     @property
     def key(self) -> str:
@@ -119,6 +125,8 @@ def _check_score_tensors(problem: Problem, arrays: ScoreTensors, backward: bool 
 
 def check_problem(problem: Problem) -> None:
     """The shape rules every kernel shares; raises AttentionError."""
+    if problem.layout not in contract.LAYOUTS:
+        raise AttentionError(f"layout {problem.layout!r}: one of {', '.join(contract.LAYOUTS)}")
     if problem.dtype not in contract.DTYPES:
         raise AttentionError(f"dtype {problem.dtype!r}: fagen kernels take {', '.join(contract.DTYPES)}")
     sizes = (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.heads_kv)

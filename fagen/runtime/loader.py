@@ -19,10 +19,10 @@ from . import driver
 
 
 def launch_grid(entry: KernelEntry, seqlen_q: int, heads_q: int, batch: int, device: int,
-                seqlen_k: int = 0, heads_kv: int = 0) -> tuple[int, int, int]:
+                seqlen_k: int = 0, heads_kv: int = 0, num_splits: int = 1) -> tuple[int, int, int]:
     """The grid for a launch of `entry` on device `device` (contract.Launch.grid_dims)."""
     sms = driver.multiprocessor_count(device) if entry.launch.grid == "persistent" else 0
-    return entry.launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
+    return entry.launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv, num_splits)
 
 
 class KernelNotFound(LookupError):
@@ -117,7 +117,8 @@ def _compact_keys(keys: set[str]) -> str:
         if fields is None:
             others.append(key)
             continue
-        group = (fields["direction"], fields["dtype"], fields["variant"])
+        layout = "" if fields["layout"] == contract.LAYOUTS[0] else f"/{fields['layout']}"
+        group = (fields["direction"], fields["dtype"], fields["variant"] + layout)
         head_dims[group].append((fields["head_dim"], fields["head_dim_v"] or 0))
     grouped = []
     for (direction, dtype, mask), dims in sorted(head_dims.items()):
@@ -158,6 +159,7 @@ def _not_found_message(entries, key: str, compute_capability: tuple[int, int], b
             f"dtype: {fields['dtype']}, head_dim: {fields['head_dim']}, "
             + (f"head_dim_v: {fields['head_dim_v']}, " if fields["head_dim_v"] else "")
             + f"mask: {fields['mask']}" + (f", score: {'+'.join(fields['mods'])}" if fields["mods"] else "")
+            + ("" if fields["layout"] == contract.LAYOUTS[0] else f", layout: {fields['layout']}")
             + "}"
         )
         lines.append(

@@ -29,7 +29,7 @@ JOBS = os.cpu_count() or 1
 def test_every_kernel_has_its_algorithms_sass_and_no_local_memory(ci_small):
     out, report = ci_small
     for entry in report.manifest.kernels:
-        required = algorithm_for(entry.fa_version, entry.spec["direction"]).REQUIRED_SASS
+        required = algorithm_for(entry.fa_version, entry.spec["direction"], entry.spec.get("layout", "dense")).REQUIRED_SASS
         assert set(required) <= set(entry.sass), entry.name
         assert not {"LDL", "STL"} & set(entry.sass), entry.name
 

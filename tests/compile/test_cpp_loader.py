@@ -242,14 +242,15 @@ def test_cpp_tensor_rule_matches_python(open_bundle, data, strides, tma):
     assert result.stdout.strip() == expected
 
 
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("head_dim_v", (0, 96, 64))  # 0: the same as head_dim
 @pytest.mark.parametrize("mods", ((), ("softcap",), ("alibi", "sinks"), contract.SCORE_MODS))
 @pytest.mark.parametrize("mask", contract.MASKS)
-def test_cpp_key_matches_python(open_bundle, mask, mods, head_dim_v):
+def test_cpp_key_matches_python(open_bundle, mask, mods, head_dim_v, layout):
     flags = [int(mod in mods) for mod in contract.SCORE_MODS]
-    result = run(open_bundle, "--key", "bwd", "bf16", 96, mask, *flags, head_dim_v)
+    result = run(open_bundle, "--key", "bwd", "bf16", 96, mask, *flags, head_dim_v, layout)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == contract.kernel_key("bwd", "bf16", 96, mask, mods, head_dim_v or None)
+    assert result.stdout.strip() == contract.kernel_key("bwd", "bf16", 96, mask, mods, head_dim_v or None, layout)
 
 
 @pytest.mark.parametrize("causal", (False, True))
@@ -274,12 +275,28 @@ def test_cpp_grid_rule_matches_python(open_bundle, grid):
     for block_m, block_n, seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv in (
             (128, 128, 1, 1, 1, 132, 1, 1), (128, 176, 300, 4, 2, 132, 500, 1), (64, 64, 4097, 32, 3, 8, 999, 8),
             (192, 128, 16384, 16, 1, 132, 16384, 2), (64, 128, 100000, 64, 4, 108, 7, 1)):
-        launch = contract.Launch(threads=128, block_m=block_m, dynamic_smem=0, grid=contract.GRIDS[grid],
-                                 block_n=block_n)
-        expected = launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
-        result = run(open_bundle, "--grid", grid, block_m, block_n, seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv)
+        for num_splits in (1, 7):
+            launch = contract.Launch(threads=128, block_m=block_m, dynamic_smem=0, grid=contract.GRIDS[grid],
+                                     block_n=block_n)
+            expected = launch.grid_dims(seqlen_q, heads_q, batch, sms, seqlen_k, heads_kv, num_splits)
+            result = run(open_bundle, "--grid", grid, block_m, block_n, seqlen_q, heads_q, batch, sms, seqlen_k,
+                         heads_kv, num_splits)
+            assert result.returncode == 0, result.stderr
+            assert tuple(int(x) for x in result.stdout.split()) == expected
+
+
+@pytest.mark.parametrize("work", ((8, 65536, 132, 256), (16, 65536, 132, 256), (512, 4096, 132, 256),
+                                  (100, 8192, 108, 256), (3, 100, 132, 256), (1, 1 << 20, 132, 64),
+                                  (0, 10, 132, 256), (7, 3000, 1, 256)))
+def test_cpp_split_rule_matches_python(open_bundle, work):
+    ctas, keys, slots, min_keys = work
+    for num_splits, batch, seqlen_q, heads_q, head_dim_v in ((1, 4, 1, 32, 128), (13, 3, 5, 8, 64)):
+        w = contract.SplitWorkspace.of(num_splits, batch, seqlen_q, heads_q, head_dim_v)
+        result = run(open_bundle, "--splits", *work, num_splits, batch, seqlen_q, heads_q, head_dim_v)
         assert result.returncode == 0, result.stderr
-        assert tuple(int(x) for x in result.stdout.split()) == expected
+        assert tuple(int(x) for x in result.stdout.split()) == (
+            contract.split_count(ctas, keys, slots, min_keys), w.o_partial, w.lse_partial, w.floats,
+            *contract.combine_grid(batch, seqlen_q, heads_q))
 
 
 @pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))

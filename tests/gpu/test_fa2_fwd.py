@@ -158,6 +158,7 @@ def runnable_entries(bundle):
     tests/gpu/test_custom_mask.py makes)."""
     cc = torch.cuda.get_device_capability()
     return [e for e in bundle.kernels if e.key.startswith("fwd/") and runs_on(e, cc)
+            and contract.KernelKey.parse(e.key).layout == "dense"  # paged: tests/gpu/test_kvcache.py
             and contract.KernelKey.parse(e.key).mask in contract.MASKS]
 
 

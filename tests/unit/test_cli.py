@@ -21,7 +21,7 @@ from fagen.cli import main
 from fagen.model import ALGORITHMS, KernelSpec, SpecError, load_spec_file
 
 CI_SMALL = paths.specs_dir() / "ci-small.yaml"
-AVAILABLE = ", ".join(f"fa{v} {d}" for (v, d) in ALGORITHMS)
+AVAILABLE = ", ".join(f"fa{v} {d}" + ("" if layout == "dense" else f" {layout}") for (v, d, layout) in ALGORITHMS)
 
 
 def flat(text: str) -> str:
@@ -128,7 +128,7 @@ def test_head_dim_out_of_range_names_the_algorithms_limit_not_the_tuning_table(h
 @pytest.mark.parametrize("tile", ["", ", tile: {block_m: 64, block_n: 64, warps: 4, stages: 2}"])
 @pytest.mark.parametrize("fa_version", [5, 0])
 def test_unknown_fa_version_lists_only_algorithms_with_a_template(fa_version, tile, tmp_path, capsys):
-    if (fa_version, "fwd") in ALGORITHMS:
+    if (fa_version, "fwd", "dense") in ALGORITHMS:
         pytest.skip(f"fa_version {fa_version} has a template now")
     spec = write_spec(tmp_path, f"fa_version: {fa_version}, arch: sm90, dtype: bf16, head_dim: 64{tile}")
     code, _, err = run(capsys, "build", spec)
@@ -140,7 +140,7 @@ def test_unknown_fa_version_lists_only_algorithms_with_a_template(fa_version, ti
 
 def test_available_algorithms_come_from_the_registry():
     # fa_version 1 has a template (and tuning rows): accepted like the others.
-    assert (1, "fwd") in ALGORITHMS and AVAILABLE.startswith("fa1 fwd")
+    assert (1, "fwd", "dense") in ALGORITHMS and AVAILABLE.startswith("fa1 fwd")
     spec = KernelSpec.model_validate({"fa_version": 1, "arch": "sm90", "dtype": "bf16", "head_dim": 64})
     assert spec.name.startswith("fa1_fwd_sm90_bf16_hd64_full_m64n128w4_")
 

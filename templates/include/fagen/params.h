@@ -10,7 +10,8 @@
 // 4: the score modifiers (softcap_scale, alibi_slopes, alibi_batch_stride, sinks; dsinks,
 //    sink_partials).
 // 5: mask_args (a custom mask's arguments).
-#define FAGEN_ABI_VERSION 5
+// 6: the serving fields of FagenFwdParams (cu_seqlens_q ... lse_partial).
+#define FAGEN_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,6 +59,30 @@ typedef struct FagenFwdParams {
     // A custom mask's arguments (algo/mask.cuh, CustomMask): device memory its user type reads
     // (e.g. each token's document id), read only by kernels built with a custom mask.
     const void* mask_args;
+
+    // Serving (read only by kernels of the paged layout; fagen/contract.py: LAYOUTS).
+    // cu_seqlens_q: (batch + 1) int32 offsets of each batch row's query tokens in q and o, which
+    // are then packed (q_batch_stride = o_batch_stride = lse_batch_stride = 0, seqlen_q the
+    // longest row, the LSE (heads_q, total tokens)); null: every batch row has seqlen_q tokens.
+    // seqused_k: (batch,) int32 keys of each batch row (a KV cache's lengths, each <=
+    // seqlen_k); null: seqlen_k each.
+    const int* cu_seqlens_q;
+    const int* seqused_k;
+    // block_table: (batch, ...) int32 page indices into k and v, whose batch dimension is then
+    // the page ((pages, page_size, heads_kv, head_dim)): key j of batch row b is row j % page_size
+    // of page block_table[b * block_table_batch_stride + j / page_size]; an entry outside
+    // [0, pages) reads as keys and values of zeros, never out of bounds. null: k and v hold each
+    // batch row's keys contiguously (a contiguous KV cache).
+    const int* block_table;
+    long long block_table_batch_stride;
+    int page_size;
+    int pages;
+    // Split-KV: num_splits CTAs share the keys of one (batch row, KV head, query block), each
+    // writing its normalised partial O and its LSE (natural log, -inf where it saw no key); the
+    // kernel's combine entry point merges them into o and lse. 1: the kernel writes o and lse.
+    int num_splits;
+    float* o_partial;    // (num_splits, batch * seqlen_q, heads_q, head_dim_v) fp32
+    float* lse_partial;  // (num_splits, heads_q, batch * seqlen_q) fp32
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like

@@ -8,15 +8,18 @@
 //                                       print kernel_scale_log2's value (%.9g) or its error
 //   open_bundle --score-scale SCALE|default HEAD_DIM SOFTCAP
 //                                       print kernel_score_scale's two values (%.9g) or its error
-//   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS HEAD_DIM_V
+//   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS HEAD_DIM_V LAYOUT
 //                                       print kernel_key of variant_name(MASK, ...)
 //   open_bundle --tensor DATA BATCH_STRIDE ROW_STRIDE HEAD_STRIDE TMA
 //                                       print "ok" or tensor_status's error for a tensor "t"
 //   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
 //                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
 //                                       its error
-//   open_bundle --grid GRID BLOCK_M BLOCK_N SEQLEN_Q HEADS_Q BATCH SMS SEQLEN_K HEADS_KV
+//   open_bundle --grid GRID BLOCK_M BLOCK_N SEQLEN_Q HEADS_Q BATCH SMS SEQLEN_K HEADS_KV NUM_SPLITS
 //                                       print grid_dims' "X Y Z" (GRID: FAGEN_GRID_* index)
+//   open_bundle --splits CTAS KEYS SLOTS MIN_SPLIT_KEYS NUM_SPLITS BATCH SEQLEN_Q HEADS_Q HEAD_DIM_V
+//                                       print split_count's count, then split_workspace's offsets
+//                                       and floats and the combine grid for NUM_SPLITS
 //   open_bundle --workspace BATCH HEADS_Q SEQLEN_Q HEAD_DIM BLOCK_M
 //                                       print backward_workspace's offsets, floats, semaphores
 //                                       and the backward row grid
@@ -130,18 +133,28 @@ int main(int argc, char** argv) {
         std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
         return 0;
     }
-    if (argc == 10 && std::strcmp(argv[1], "--key") == 0) {
+    if (argc == 11 && std::strcmp(argv[1], "--key") == 0) {
         const std::string variant = fagen::variant_name(argv[5], std::atoi(argv[6]) != 0, std::atoi(argv[7]) != 0,
                                                         std::atoi(argv[8]) != 0);
-        std::printf("%s\n", fagen::kernel_key(argv[2], argv[3], std::atoi(argv[4]), variant, std::atoi(argv[9])).c_str());
+        std::printf("%s\n",
+                    fagen::kernel_key(argv[2], argv[3], std::atoi(argv[4]), variant, std::atoi(argv[9]), argv[10]).c_str());
         return 0;
     }
-    if (argc == 11 && std::strcmp(argv[1], "--grid") == 0) {
+    if (argc == 12 && std::strcmp(argv[1], "--grid") == 0) {
+        long long v[10];
+        for (int i = 0; i < 10; ++i) v[i] = std::atoll(argv[2 + i]);
+        const fagen::GridDims g = fagen::grid_dims(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]),
+                                                   v[3], v[4], v[5], v[6], v[7], v[8], v[9]);
+        std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
+        return 0;
+    }
+    if (argc == 11 && std::strcmp(argv[1], "--splits") == 0) {
         long long v[9];
         for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[2 + i]);
-        const fagen::GridDims g = fagen::grid_dims(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]),
-                                                   v[3], v[4], v[5], v[6], v[7], v[8]);
-        std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
+        const fagen::SplitWorkspace w = fagen::split_workspace(v[4], v[5], v[6], v[7], v[8]);
+        const fagen::GridDims g = fagen::combine_grid(v[5], v[6], v[7]);
+        std::printf("%d %lld %lld %lld %lld %lld %lld\n", fagen::split_count(v[0], v[1], v[2], v[3]), w.o_partial,
+                    w.lse_partial, w.floats, g.x, g.y, g.z);
         return 0;
     }
     if (argc == 7 && std::strcmp(argv[1], "--workspace") == 0) {

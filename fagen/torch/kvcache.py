@@ -1,0 +1,224 @@
+"""flash_attn_with_kvcache: flash-attn's decoding call on fagen's paged-layout kernels
+(fagen.runtime.kvcache), and vLLM's shape of it (packed queries, a block table).
+
+The call reads no device memory on the host and allocates only what the shapes decide, so a
+decoding step can be captured in a CUDA graph and replayed with new cache contents, lengths and
+block tables (the split count follows the cache's capacity, not its lengths).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import contract
+from ..runtime import driver
+from ..runtime import call as runtime_call
+from ..runtime import kvcache as runtime_kvcache
+from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, get_bundle
+
+_NAME = "fagen.flash_attn_with_kvcache"
+
+
+def _fail(message: str, error: type[Exception] = ValueError) -> Exception:
+    return error(f"{_NAME}: {message}")
+
+
+def _rows_ready(t: torch.Tensor, name: str, dims: int) -> torch.Tensor:
+    """`t` with a contiguous last dimension, 16-byte aligned rows and strides in multiples of 8
+    elements (params.h), copied when it is not; refuses a copy of a cache (appends would land in
+    the copy)."""
+    if t.dim() != dims:
+        raise _fail(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    aligned = (t.stride(-1) == 1 and t.data_ptr() % contract.ALIGNMENT_BYTES == 0
+               and all(s % contract.STRIDE_MULTIPLE == 0 or size == 1 for s, size in zip(t.stride()[:-1], t.shape[:-1])))
+    if aligned:
+        return t
+    if name in ("k_cache", "v_cache"):
+        raise _fail(f"{name} must have a contiguous last dimension, 16-byte aligned rows and strides in "
+                    f"multiples of {contract.STRIDE_MULTIPLE} elements (a copy would not see appends)")
+    return t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch or page, row, head) element strides of a 4-D tensor, or of a packed 3-D one (no
+    batch stride); a dimension of size 1 is never indexed, so it may have any stride."""
+    if t.dim() == 3:
+        return (0, t.stride(0), t.stride(1))
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape[:3], t.stride()[:3]))
+
+
+def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
+    return runtime_call.Tensor(t.data_ptr(), *_strides(t))
+
+
+def _int32(t, name: str, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device:
+        raise _fail(f"{name} must be an int32 tensor on {device}", TypeError)
+    return t.contiguous()
+
+
+def _append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
+    """Writes k, v (batch, seqlen_new, nheads_kv, d) into the cache at each row's length, through
+    its pages: index arithmetic on the device, no host synchronisation."""
+    batch, seqlen_new = k.shape[:2]
+    positions = cache_seqlens.to(torch.long).view(batch, 1) + torch.arange(seqlen_new, device=k.device)
+    if block_table is None:
+        rows = torch.arange(batch, device=k.device).view(batch, 1).expand(batch, seqlen_new)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        return
+    page_size = k_cache.shape[1]
+    pages = block_table.gather(1, positions // page_size).to(torch.long)
+    slots = positions % page_size
+    k_cache[pages, slots] = k
+    v_cache[pages, slots] = v
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    *,
+    cache_seqlens=None,
+    block_table: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    return_lse: bool = False,
+    bundle=None,
+    **flash_attn_options,
+):
+    """Attention of new query tokens over a KV cache, with flash-attn's names and semantics.
+
+    q: (batch, seqlen_q, nheads_q, d), or packed (total_q, nheads_q, d) with cu_seqlens_q int32
+    (batch + 1) and max_seqlen_q (vLLM's call). k_cache, v_cache: (batch, capacity, nheads_kv, d)
+    for a contiguous cache, or (num_pages, page_size, nheads_kv, d) with block_table int32
+    (batch, max_pages_per_row) (page_size a multiple of the kernel's 16 keys; pages in any order
+    and shared between rows). cache_seqlens: int32 (batch,) or an int, each row's cached keys
+    (default: the whole capacity). k, v (batch, seqlen_new, nheads_kv, d), optional: appended
+    into the cache at cache_seqlens (through the pages) before attending, so a row then sees
+    cache_seqlens + seqlen_new keys; cache_seqlens itself is not changed. `causal`, window_size,
+    softcap, alibi_slopes and learnable_sink as in fagen.flash_attn_func, aligned to each row's
+    last key (bottom-right: new token i of n sees keys up to cache_len - n + i). num_splits: 0
+    chooses how many CTAs share one row's keys from the shapes and the GPU (split-KV), n forces
+    n. Returns out (like q, with v's head dim) and, with return_softmax_lse (or return_lse), the
+    natural-log LSE (batch, nheads_q, seqlen_q), packed: (nheads_q, total_q). No gradient.
+    """
+    for name, value in flash_attn_options.items():
+        off = {"rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None, "cache_leftpad": None,
+               "rotary_interleaved": True}
+        if name not in off:
+            raise _fail(f"unexpected keyword argument {name!r}", TypeError)
+        if value is not off[name] and value != off[name]:
+            raise _fail(f"{name} is not supported (fagen applies no rotary embedding and takes the "
+                        "cache rows in batch order)", NotImplementedError)
+    if not isinstance(causal, bool):
+        raise _fail(f"causal must be True or False, got {causal!r}", TypeError)
+    if q.dtype not in _DTYPE_NAMES:
+        raise _fail(f"q has dtype {q.dtype}; supported: float16, bfloat16", TypeError)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+            raise _fail(f"{name} must match q's dtype and device ({q.dtype}, {q.device})", TypeError)
+    if q.device.type != "cuda":
+        raise _fail(f"the tensors must be on a CUDA device, got {q.device}")
+    packed = cu_seqlens_q is not None
+    q = _rows_ready(q, "q", 3 if packed else 4)
+    k_cache = _rows_ready(k_cache, "k_cache", 4)
+    v_cache = _rows_ready(v_cache, "v_cache", 4)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise _fail(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree but "
+                    "for the head dim")
+    heads_q, head_dim = q.shape[-2:]
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise _fail(f"q's head dim {head_dim} and k_cache's {k_cache.shape[3]} differ")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise _fail(f"nheads_q={heads_q} must be a multiple of nheads_kv={heads_kv}")
+    if packed:
+        cu_seqlens_q = _int32(cu_seqlens_q, "cu_seqlens_q", q.device)
+        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+            raise _fail("cu_seqlens_q must be 1-D with batch + 1 entries")
+        batch = cu_seqlens_q.numel() - 1
+        if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            raise _fail("packed q (cu_seqlens_q) needs max_seqlen_q, the longest row's tokens", TypeError)
+        seqlen_q = max_seqlen_q
+    else:
+        batch, seqlen_q = q.shape[:2]
+    if block_table is not None:
+        block_table = _int32(block_table, "block_table", q.device)
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise _fail(f"block_table must be (batch={batch}, max_pages), got {tuple(block_table.shape)}")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != batch:
+            raise _fail(f"a contiguous cache has one row per batch row: k_cache's {k_cache.shape[0]} != {batch} "
+                        "(a paged cache comes with block_table)")
+        capacity = k_cache.shape[1]
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif cache_seqlens is not None:
+        cache_seqlens = _int32(cache_seqlens, "cache_seqlens", q.device)
+        if cache_seqlens.shape != (batch,):
+            raise _fail(f"cache_seqlens must be (batch={batch},), got {tuple(cache_seqlens.shape)}")
+    if (k is None) != (v is None):
+        raise _fail("k and v are appended together: give both or neither")
+    seqused = cache_seqlens
+    if k is not None:
+        if cache_seqlens is None:
+            raise _fail("appending k, v needs cache_seqlens (where each row's new keys go)")
+        if packed or k.dim() != 4 or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:] or v.shape[:3] != k.shape[:3] \
+                or v.shape[3] != v_cache.shape[3]:
+            raise _fail(f"k, v must be (batch, seqlen_new, nheads_kv, d) like the cache rows, got {tuple(k.shape)}, "
+                        f"{tuple(v.shape)} (and q dense)")
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        seqused = cache_seqlens + k.shape[1]
+    if return_lse and not return_softmax_lse:
+        return_softmax_lse = True
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise _fail(f"softcap must be a number, got {softcap!r}", TypeError)
+
+    head_dim_v = v_cache.shape[3]
+    out = q.new_empty((*q.shape[:-1], head_dim_v))
+    lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return (out, lse) if return_softmax_lse else out
+    try:
+        problem = runtime_call.Problem(
+            _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, heads_kv, head_dim,
+            tuple(window_size), contract.Score(float(softcap), alibi_slopes is not None, learnable_sink is not None),
+            None if head_dim_v == head_dim else head_dim_v, layout="paged")
+    except contract.ScoreError as error:
+        raise _fail(str(error)) from None
+    arrays, kept = _score_arrays(alibi_slopes, learnable_sink, None)
+    cache = runtime_kvcache.KvCache(
+        seqused_k=0 if seqused is None else seqused.data_ptr(),
+        block_table=0 if block_table is None else block_table.data_ptr(),
+        block_table_batch_stride=0 if block_table is None else block_table.stride(0),
+        page_size=k_cache.shape[1] if block_table is not None else 0,
+        pages=k_cache.shape[0] if block_table is not None else 0,
+        cu_seqlens_q=0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+        total_q=q.shape[0] if packed else 0)
+    kernels = get_bundle(bundle)
+    device = q.device.index
+    with driver.primary_context(device):
+        prepared = runtime_kvcache.prepare_kvcache(
+            kernels, problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
+            softmax_scale, device, num_splits, score_tensors=arrays)
+        workspace = torch.empty(prepared.workspace.floats, dtype=torch.float32, device=q.device)
+        prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device),
+                         workspace.data_ptr() if prepared.workspace.floats else 0)
+    del kept, workspace  # the caching allocator keeps their memory for this stream's work
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,160 @@
+"""The paged layout without a GPU: its spec model (fagen/model/fa2_split_kv.py), the contract's
+layout key, band, split rule and workspace, and fagen.runtime.kvcache's checks, parameters and
+launches through the fake driver."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from fagen import abi, contract
+from fagen.model import KernelSpec
+from fagen.runtime import AttentionError, Problem, Tensor, load
+from fagen.runtime.kvcache import KvCache, prepare_kvcache
+
+from test_runtime_call import fake  # noqa: F401 (the fixture)
+from test_runtime_cpu import kernel_entry, write_bundle  # noqa: E402
+
+PAGED = dict(fa_version=2, arch="sm90", dtype="bf16", head_dim=128, layout="paged", mask="local")
+
+
+def test_a_paged_spec_is_the_split_kv_algorithm():
+    spec = KernelSpec.model_validate(PAGED)
+    assert type(spec).__name__ == "Fa2SplitKvSpec"
+    assert spec.lookup_key == "fwd/bf16/hd128/local/paged"
+    assert spec.name.startswith("fa2_fwd_sm90_bf16_hd128_local_paged_m16n16w4s3_")
+    launch = spec.launch()
+    assert (launch.grid, launch.block_m, launch.block_n, launch.threads) == ("splits", 16, 16, 128)
+    assert launch.min_split_keys == 4 * 4 * 16
+    assert '"layout":"paged"' in spec.canonical_json()
+    dense = KernelSpec.model_validate({**PAGED, "layout": "dense", "mask": "causal"})
+    assert "layout" not in dense.canonical_json()  # dense kernels keep their names and hashes
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"mask": "causal"}, "one local kernel serves all three"),
+    ({"fa_version": 3, "arch": "sm90a"}, "fa_version=3 layout=paged: fagen has no kernel template"),
+    ({"tile": {"warps": 4, "stages": 2, "block_n": 32}}, "block_n=16"),
+    ({"tile": {"warps": 3, "stages": 2}}, "tile.warps=3"),
+    ({"arch": "sm86", "head_dim": 256, "tile": {"warps": 4, "stages": 4}}, "bytes of shared memory"),
+])
+def test_paged_specs_the_kernels_cannot_build_are_refused(fields, match):
+    with pytest.raises(ValidationError, match=match):
+        KernelSpec.model_validate({**PAGED, **fields})
+
+
+def test_the_layout_is_a_last_key_part_and_dense_is_never_spelled():
+    key = contract.kernel_key("fwd", "fp16", 64, "local", ("sinks",), layout="paged")
+    assert key == "fwd/fp16/hd64/local+sinks/paged"
+    assert contract.KernelKey.parse(key) == contract.KernelKey("fwd", "fp16", 64, "local", ("sinks",), None, "paged")
+    assert contract.KernelKey.parse("fwd/fp16/hd64/local/dense") is None
+    assert contract.KernelKey.parse("fwd/fp16/hd64/local/ragged") is None
+    with pytest.raises(ValueError, match="layout='ragged'"):
+        contract.kernel_key("fwd", "fp16", 64, "local", layout="ragged")
+
+
+def test_the_paged_kernels_take_every_mask_as_a_band():
+    def band(causal, window):
+        return Problem("bf16", causal, 2, 4, 1000, 8, 2, 128, window, layout="paged").mask
+
+    assert band(False, (-1, -1)) == contract.Mask("local", 1004, 1004)
+    assert band(True, (-1, -1)) == contract.Mask("local", 1004, 0)
+    assert band(True, (100, -1)) == contract.Mask("local", 100, 0)
+    assert Problem("bf16", True, 2, 4, 1000, 8, 2, 128, layout="paged").key == "fwd/bf16/hd128/local/paged"
+
+
+@pytest.mark.parametrize("ctas, keys, expected", [
+    (8, 65536, 15), (16, 65536, 8), (32, 65536, 4), (64, 32768, 2), (128, 32768, 1), (512, 4096, 1),
+    (8, 1000, 3),  # no split under 256 keys
+    (8, 100, 1), (0, 100, 1),
+])
+def test_the_split_rule(ctas, keys, expected):
+    assert contract.split_count(ctas, keys, 132, 256) == expected
+
+
+def test_the_split_workspace_and_grids():
+    w = contract.SplitWorkspace.of(5, 3, 2, 8, 128)
+    assert (w.o_partial, w.lse_partial, w.floats) == (0, 5 * 3 * 2 * 8 * 128, 5 * 3 * 2 * 8 * 129)
+    assert contract.SplitWorkspace.of(1, 3, 2, 8, 128).floats == 0
+    launch = contract.Launch(threads=128, block_m=16, dynamic_smem=0, grid="splits", block_n=16)
+    # 5 tokens x 4 query heads per K/V head = 20 packed rows: 2 blocks of 16, per K/V head
+    assert launch.grid_dims(5, 16, 3, 132, 4096, 4, num_splits=7) == (7, 2 * 4, 3)
+    assert contract.combine_grid(3, 5, 16) == (60, 1, 1)
+
+
+@pytest.fixture
+def paged_bundle(tmp_path):
+    entry = kernel_entry("sm90", "fwd/bf16/hd128/local")
+    entry.update(key="fwd/bf16/hd128/local/paged",
+                 launch={"threads": 128, "block_m": 16, "block_n": 16, "dynamic_smem": 108800, "grid": "splits",
+                         "min_split_keys": 256})
+    return load(write_bundle(tmp_path / "b", [entry]))
+
+
+def _tensors(batch=4, seqlen_q=1, heads_q=32, pages=64, page_size=64, heads_kv=8):
+    q = Tensor.contiguous(0x10000, seqlen_q, heads_q, 128)
+    k = Tensor(0x200000, page_size * heads_kv * 128, heads_kv * 128, 128)
+    v = Tensor(0x400000, page_size * heads_kv * 128, heads_kv * 128, 128)
+    out = Tensor.contiguous(0x600000, seqlen_q, heads_q, 128)
+    return q, k, v, out
+
+
+PAGED_PROBLEM = Problem("bf16", True, 4, 1, 1024, 32, 8, 128, layout="paged")
+CACHE = KvCache(seqused_k=0x800000, block_table=0x900000, block_table_batch_stride=16, page_size=64, pages=64)
+
+
+def test_a_paged_call_fills_the_serving_fields_and_launches_twice(paged_bundle, fake):  # noqa: F811
+    prepared = prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), CACHE)
+    # 4 rows x 8 K/V heads = 32 CTAs of 1024 keys each: 4 splits, about one CTA per SM.
+    assert prepared.num_splits == 4 and prepared.grid == (4, 8, 4)
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.seqused_k, p.block_table, p.block_table_batch_stride, p.page_size, p.pages) == (
+        0x800000, 0x900000, 16, 64, 64)
+    assert (p.window_left, p.window_right, p.num_splits, p.cu_seqlens_q) == (1025, 0, 4, None)
+    with pytest.raises(AttentionError, match="need a workspace"):
+        prepared.launch(0x600000, 0, 0)
+    prepared.launch(0x600000, 0xA00000, 0xABC, workspace=0xB00000)
+    main, combine = fake.launches
+    assert main["grid"] == (4, 8, 4) and combine["grid"] == contract.combine_grid(4, 1, 32)
+    assert combine["block"] == (contract.COMBINE_THREADS, 1, 1) and combine["smem"] == 0
+    assert main["params"].o_partial == 0xB00000
+    assert main["params"].lse_partial == 0xB00000 + 4 * prepared.workspace.lse_partial
+    one = prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), CACHE, num_splits=1)
+    assert one.workspace_bytes == 0
+    fake.launches.clear()
+    one.launch(0x600000, 0, 0)
+    assert len(fake.launches) == 1  # no combine
+
+
+def test_packed_queries_take_the_lse_of_flash_attns_varlen_call(paged_bundle, fake):  # noqa: F811
+    q, k, v, out = _tensors()
+    packed = KvCache(block_table=0x900000, block_table_batch_stride=16, page_size=64, pages=64, cu_seqlens_q=0xC00000,
+                     total_q=9)
+    prepared = prepare_kvcache(paged_bundle, PAGED_PROBLEM, Tensor(q.data, 0, 32 * 128, 128), k, v,
+                               Tensor(out.data, 0, 32 * 128, 128), packed, num_splits=1)
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.cu_seqlens_q, p.lse_batch_stride, p.lse_head_stride, p.q_batch_stride) == (0xC00000, 0, 9, 0)
+
+
+@pytest.mark.parametrize("cache, splits, match", [
+    (KvCache(block_table=0x900000, block_table_batch_stride=16, page_size=24, pages=64), 0, "page_size=24"),
+    (KvCache(block_table=0x900000, block_table_batch_stride=8, page_size=64, pages=64), 0, "fewer than seqlen_k=1024"),
+    (KvCache(block_table=0x900000, block_table_batch_stride=16, page_size=64, pages=0), 0, "at least one page"),
+    (KvCache(seqused_k=0x800002), 0, "4-byte aligned"),
+    (CACHE, 65, "num_splits=65"),
+    (CACHE, True, "num_splits=True"),
+])
+def test_paged_calls_the_kernels_cannot_run_are_refused(paged_bundle, fake, cache, splits, match):  # noqa: F811
+    with pytest.raises(AttentionError, match=match):
+        prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), cache, num_splits=splits)
+
+
+def test_a_dense_call_never_gets_a_paged_kernel(paged_bundle, fake):  # noqa: F811
+    from fagen.runtime import KernelNotFound, prepare
+
+    dense = Problem("bf16", True, 4, 1, 1024, 32, 8, 128)
+    with pytest.raises(KernelNotFound, match="no kernel for 'fwd/bf16/hd128/causal'") as error:
+        prepare(paged_bundle, dense, *_tensors())
+    assert "fwd/bf16/hd128/local/paged" in str(error.value)
+    with pytest.raises(AttentionError, match="has the paged layout"):
+        prepare_kvcache(paged_bundle, dense, *_tensors(), CACHE)
