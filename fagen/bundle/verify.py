@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import abi
-from ..contract import CONTRACT_HEADER, render_contract_header
+from .contract_header import CONTRACT_HEADER, render_contract_header
 from .cindex import INDEX_HEADER, PARAMS_HEADER, manifest_sha256, render_index_header
 from .format import (
     MANIFEST_NAME, SCHEMA_VERSION, BundleError, Manifest, check_versions, parse_manifest,

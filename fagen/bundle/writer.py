@@ -24,7 +24,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .. import paths
-from ..contract import CONTRACT_HEADER, render_contract_header
+from .contract_header import CONTRACT_HEADER, render_contract_header
 from .cindex import INDEX_HEADER, PARAMS_HEADER, render_index_header
 from .format import MANIFEST_NAME, Manifest
 

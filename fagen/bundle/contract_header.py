@@ -1,0 +1,184 @@
+"""contract.h: fagen/contract.py's definitions for fagen.hpp (the same values and rules, one
+source), written into every bundle beside index.h and checked by `fagen verify-bundle`."""
+
+from __future__ import annotations
+
+import string
+
+from ..contract import (
+    ACCUM_BOX_COLUMNS, ACCUM_BYTES, ALIGNMENT_BYTES, BWD_CONVERT_SUFFIX, BWD_PREPROCESS_SUFFIX,
+    BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMBINE_ROWS_PER_CTA, COMBINE_THREADS,
+    DQ_ACCUM_ROW_ALIGN, ELEMENT_BYTES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
+    LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
+    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_COMBINE_SUFFIX, SPLIT_WAVE_FILL,
+    STRIDE_MULTIPLE, TMA_BOX_COLUMNS, kernel_key, variant_name,
+)
+
+CONTRACT_HEADER = "include/fagen/contract.h"
+
+
+def _cpp_key_expression() -> str:
+    """KEY_FORMAT as a C++ expression over kernel_key()'s parameters."""
+    fields = {"direction": "direction", "dtype": "dtype",
+              "head_dims": "head_dims_name(head_dim, head_dim_v)", "variant": "variant"}
+    parts = ['std::string()']
+    for literal, field, _, _ in string.Formatter().parse(KEY_FORMAT):
+        if literal:
+            parts.append(f'"{literal}"')
+        if field:
+            parts.append(fields[field])
+    return " + ".join(parts)
+
+
+# The launch-shape and workspace rules above, in C++ for fagen.hpp (which calls these rather than
+# re-deriving them): Launch.grid_dims, bwd_row_grid, dq_accum_rows and BackwardWorkspace.of.
+# tests/compile/test_cpp_loader.py holds each to its Python twin over a grid of shapes.
+_CPP_RULES = """\
+/* Launch.grid_dims: the grid of a kernel (grid: FAGEN_GRID_*; sms: the device's multiprocessors,
+   read only for a persistent grid). */
+struct GridDims {
+    long long x, y, z;
+};
+inline GridDims grid_dims(int grid, int block_m, int block_n, long long seqlen_q, long long heads_q, long long batch,
+                          long long sms, long long seqlen_k, long long heads_kv, long long num_splits = 1) {
+    const long long m_blocks = (seqlen_q + block_m - 1) / block_m;
+    if (grid == FAGEN_GRID_PERSISTENT) return {m_blocks * heads_q * batch < sms ? m_blocks * heads_q * batch : sms, 1, 1};
+    if (grid == FAGEN_GRID_HEADS) return {heads_q, batch, 1};
+    if (grid == FAGEN_GRID_KEY_BLOCKS) return {(seqlen_k + block_n - 1) / block_n, heads_kv, batch};
+    if (grid == FAGEN_GRID_SPLITS) {
+        const long long packed_blocks = (seqlen_q * (heads_q / heads_kv) + block_m - 1) / block_m;
+        return {num_splits, packed_blocks * heads_kv, batch};
+    }
+    return {m_blocks, heads_q, batch};
+}
+/* split_count: the splits of a split-KV launch (slots: the device's SMs). */
+inline int split_count(long long ctas, long long keys, long long slots, long long min_split_keys) {
+    if (ctas <= 0 || keys <= 0 || slots <= 0) return 1;
+    long long limit = keys / (min_split_keys > 1 ? min_split_keys : 1);
+    limit = limit < FAGEN_MAX_SPLITS ? limit : FAGEN_MAX_SPLITS;
+    limit = limit > 1 ? limit : 1;
+    auto fill = [&](long long splits) {
+        const double waves = double(ctas * splits) / double(slots);
+        const long long whole = (ctas * splits + slots - 1) / slots;
+        return waves / double(whole);
+    };
+    double best = 0.0;
+    for (long long n = 1; n <= limit; ++n) best = fill(n) > best ? fill(n) : best;
+    for (long long n = 1; n <= limit; ++n)
+        if (fill(n) >= FAGEN_SPLIT_WAVE_FILL * best) return int(n);
+    return 1;
+}
+/* SplitWorkspace.of: float offsets of o_partial and lse_partial in one fp32 buffer of `floats`. */
+struct SplitWorkspace {
+    long long o_partial, lse_partial, floats;
+};
+inline SplitWorkspace split_workspace(long long num_splits, long long batch, long long seqlen_q, long long heads_q,
+                                      long long head_dim_v) {
+    if (num_splits <= 1) return {0, 0, 0};
+    const long long rows = num_splits * batch * seqlen_q * heads_q;
+    return {0, rows * head_dim_v, rows * (head_dim_v + 1)};
+}
+/* combine_grid: the grid of a split-KV kernel's combine entry point. */
+inline GridDims combine_grid(long long batch, long long seqlen_q, long long heads_q) {
+    return {(batch * seqlen_q * heads_q + FAGEN_COMBINE_ROWS_PER_CTA - 1) / FAGEN_COMBINE_ROWS_PER_CTA, 1, 1};
+}
+/* bwd_row_grid: the grid of a backward's preprocess and dQ kernels. */
+inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long batch) {
+    return {(seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA, heads_q, batch};
+}
+/* dq_accum_rows: the dQ accumulator's rows per (batch, head). */
+inline long long dq_accum_rows(long long seqlen_q) {
+    return (seqlen_q + FAGEN_DQ_ACCUM_ROW_ALIGN - 1) / FAGEN_DQ_ACCUM_ROW_ALIGN * FAGEN_DQ_ACCUM_ROW_ALIGN;
+}
+/* BackwardWorkspace.of: float offsets of dq_accum, softmax_d, lse_log2, sink_partials in one fp32
+   buffer of `floats`; `semaphores` ints for the deterministic mode (block_m: the main kernel's). */
+struct BackwardWorkspace {
+    long long dq_accum, softmax_d, lse_log2, sink_partials, floats, semaphores;
+};
+inline BackwardWorkspace backward_workspace(long long batch, long long heads_q, long long seqlen_q, long long head_dim,
+                                            int block_m) {
+    const long long rows = batch * heads_q * seqlen_q;
+    const long long accum = batch * heads_q * dq_accum_rows(seqlen_q) * head_dim;
+    const long long partials = batch * heads_q * ((seqlen_q + FAGEN_SINK_PARTIAL_ROWS - 1) / FAGEN_SINK_PARTIAL_ROWS);
+    return {0, accum, accum + rows, accum + 2 * rows, accum + 2 * rows + partials,
+            batch * heads_q * ((seqlen_q + block_m - 1) / block_m)};
+}
+"""
+
+
+def render_contract_header() -> str:
+    """contract.h: this module's definitions for fagen.hpp (the same values, one source)."""
+    return "\n".join([
+        "/* Generated by fagen from fagen/contract.py: the contract between build and run. Do not",
+        "   edit; every bundle carries the copy its fagen wrote. */",
+        "#ifndef FAGEN_CONTRACT_H",
+        "#define FAGEN_CONTRACT_H",
+        "",
+        f"#define FAGEN_MAX_HEAD_DIM {MAX_HEAD_DIM}",
+        f"#define FAGEN_HEAD_DIM_MULTIPLE {HEAD_DIM_MULTIPLE}",
+        f"#define FAGEN_ALIGNMENT_BYTES {ALIGNMENT_BYTES}",
+        f"#define FAGEN_STRIDE_MULTIPLE {STRIDE_MULTIPLE}",
+        f"#define FAGEN_MAX_GRID_YZ {MAX_GRID_YZ}",
+        f"#define FAGEN_TMA_BOX_COLUMNS {TMA_BOX_COLUMNS}",
+        f"#define FAGEN_ELEMENT_BYTES {ELEMENT_BYTES}",
+        f"#define FAGEN_ACCUM_BYTES {ACCUM_BYTES}",
+        f"#define FAGEN_ACCUM_BOX_COLUMNS {ACCUM_BOX_COLUMNS}",
+        f"#define FAGEN_LOG2_E {LOG2_E!r}",
+        "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASK_KINDS. A",
+        "   custom mask's key spells the user's name for it. */",
+        *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASK_KINDS)),
+        "#define FAGEN_MASK_NAMES {" + ", ".join(f'"{name}"' for name in MASKS) + "}",
+        "/* The score modifiers, in the order a key spells them; fagen/contract.py, SCORE_MODS. */",
+        "#define FAGEN_SCORE_MOD_NAMES {" + ", ".join(f'"{name}"' for name in SCORE_MODS) + "}",
+        "/* The smallest scale_log2 a kernel is launched with (softmax_scale 0 -> uniform",
+        "   attention; see fagen/contract.py, kernel_scale_log2). */",
+        f"#define FAGEN_MIN_SCALE_LOG2 {MIN_SCALE_LOG2!r}",
+        "/* FagenKernelInfo.grid (index.h): the shape of a kernel's grid; fagen/contract.py, GRIDS. */",
+        *(f"#define FAGEN_GRID_{name.upper()} {index}" for index, name in enumerate(GRIDS)),
+        "/* Backward: the preprocess and dQ kernels beside the main one (fagen/contract.py). */",
+        f"#define FAGEN_BWD_PREPROCESS_SUFFIX \"{BWD_PREPROCESS_SUFFIX}\"",
+        f"#define FAGEN_BWD_CONVERT_SUFFIX \"{BWD_CONVERT_SUFFIX}\"",
+        f"#define FAGEN_BWD_ROWS_PER_CTA {BWD_ROWS_PER_CTA}",
+        f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
+        f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
+        f"#define FAGEN_SINK_PARTIAL_ROWS {SINK_PARTIAL_ROWS}",
+        "/* Split-KV kernels: the combine entry point and split_count's limits (fagen/contract.py). */",
+        f"#define FAGEN_SPLIT_COMBINE_SUFFIX \"{SPLIT_COMBINE_SUFFIX}\"",
+        f"#define FAGEN_COMBINE_ROWS_PER_CTA {COMBINE_ROWS_PER_CTA}",
+        f"#define FAGEN_COMBINE_THREADS {COMBINE_THREADS}",
+        f"#define FAGEN_MAX_SPLITS {MAX_SPLITS}",
+        f"#define FAGEN_SPLIT_WAVE_FILL {SPLIT_WAVE_FILL!r}",
+        "/* The tensor layouts, in the order of fagen/contract.py's LAYOUTS (dense: no key suffix). */",
+        "#define FAGEN_LAYOUT_NAMES {" + ", ".join(f'"{name}"' for name in LAYOUTS) + "}",
+        "",
+        "#ifdef __cplusplus",
+        "#include <string>",
+        "namespace fagen {",
+        "/* variant_name: the mask (FAGEN_MASK_NAMES) and the score modifiers a key spells, e.g.",
+        f"   \"{variant_name('local', ('softcap',))}\" (FAGEN_SCORE_MOD_NAMES, in their order). */",
+        "inline std::string variant_name(const char* mask, bool softcap, bool alibi, bool sinks) {",
+        "    std::string variant = mask;",
+        *(f'    if ({mod}) variant += "+{mod}";' for mod in SCORE_MODS),
+        "    return variant;",
+        "}",
+        "/* head_dims_name: q/k's head dim, and v's after a `v` where it differs (0: the same). */",
+        "inline std::string head_dims_name(int head_dim, int head_dim_v) {",
+        "    if (head_dim_v == 0 || head_dim_v == head_dim) return std::to_string(head_dim);",
+        "    return std::to_string(head_dim) + \"v\" + std::to_string(head_dim_v);",
+        "}",
+        f"/* The lookup key of a kernel, e.g. \"{kernel_key('fwd', 'bf16', 128, 'causal')}\" or",
+        f"   \"{kernel_key('bwd', 'bf16', 192, 'causal', (), 128)}\" (variant: variant_name; head_dim_v 0: the",
+        "   same as head_dim). */",
+        "inline std::string kernel_key(const char* direction, const char* dtype, int head_dim, "
+        "const std::string& variant, int head_dim_v = 0, const std::string& layout = "
+        f"\"{LAYOUTS[0]}\") {{",
+        f"    const std::string key = {_cpp_key_expression()};",
+        f"    return layout == \"{LAYOUTS[0]}\" ? key : key + \"{LAYOUT_SUFFIX.split('{')[0]}\" + layout;",
+        "}",
+        _CPP_RULES.rstrip("\n"),
+        "}  // namespace fagen",
+        "#endif",
+        "",
+        "#endif /* FAGEN_CONTRACT_H */",
+        "",
+    ])
