@@ -14,7 +14,9 @@ import ctypes
 #    the backward's dsinks and sink_partials.
 # 5: mask_args (a custom mask's device arguments).
 # 6: FwdParams' serving fields (cu_seqlens_q ... lse_partial; contract.LAYOUTS).
-ABI_VERSION = 6
+# 7: cu_seqlens_k (FwdParams), cu_seqlens_q, cu_seqlens_k and total_q (BwdParams): the varlen
+#    layout.
+ABI_VERSION = 7
 
 _c_longlong = ctypes.c_longlong
 
@@ -62,6 +64,7 @@ class FwdParams(ctypes.Structure):
         ("num_splits", ctypes.c_int),
         ("o_partial", ctypes.c_void_p),
         ("lse_partial", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
     ]
 
 
@@ -85,6 +88,9 @@ class BwdParams(ctypes.Structure):
         ("softmax_scale", ctypes.c_float),
         ("dsinks", ctypes.c_void_p),
         ("sink_partials", ctypes.c_void_p),
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("total_q", ctypes.c_int),
     ]
 
 

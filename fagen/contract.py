@@ -44,8 +44,10 @@ SCORE_MODS = ("softcap", "alibi", "sinks")
 # How a call lays out its tensors: `dense` (flash_attn_func: q (batch, seqlen_q, ...), k and v
 # (batch, seqlen_k, ...)), `paged` (flash_attn_with_kvcache: K/V in a cache, per batch row a
 # length and either a contiguous block or pages through a block table; q dense or packed by
-# cu_seqlens_q; FagenFwdParams' serving fields). The first is every key's default.
-LAYOUTS = ("dense", "paged")
+# cu_seqlens_q; FagenFwdParams' serving fields), `varlen` (flash_attn_varlen_func: q, k and v
+# packed, (total, heads, head_dim), each batch row's tokens from cu_seqlens_q / cu_seqlens_k; the
+# grid sized by the longest row; forward and backward). The first is every key's default.
+LAYOUTS = ("dense", "paged", "varlen")
 # The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The head
 # dims are q and k's, and v's after a `v` where it differs (head_dims_name: 128, 192v128); the
 # variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name); a
@@ -427,6 +429,17 @@ def dq_accum_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
 
 
+def varlen_accum_rows(total_q: int, batch: int) -> int:
+    """The varlen layout's dQ accumulator rows per head: batch row b's rows start at
+    varlen_accum_begin(cu_seqlens_q[b], b), a multiple of DQ_ACCUM_ROW_ALIGN (the FA2 backward adds
+    whole 16-row tiles), which leaves each row its rows padded to the alignment."""
+    return dq_accum_rows(total_q) + DQ_ACCUM_ROW_ALIGN * batch
+
+
+def varlen_accum_begin(q_begin: int, batch_row: int) -> int:
+    return (q_begin + DQ_ACCUM_ROW_ALIGN * batch_row) // DQ_ACCUM_ROW_ALIGN * DQ_ACCUM_ROW_ALIGN
+
+
 def bwd_row_grid(seqlen_q: int, heads_q: int, batch: int) -> tuple[int, int, int]:
     return (-(-seqlen_q // BWD_ROWS_PER_CTA), heads_q, batch)
 
@@ -455,6 +468,19 @@ class BackwardWorkspace:
         partials = batch * heads_q * -(-seqlen_q // SINK_PARTIAL_ROWS)
         return cls(dq_accum=0, softmax_d=accum, lse_log2=accum + rows, sink_partials=accum + 2 * rows,
                    floats=accum + 2 * rows + partials, semaphores=batch * heads_q * -(-seqlen_q // block_m))
+
+    @classmethod
+    def varlen(cls, batch: int, heads_q: int, total_q: int, max_seqlen_q: int, head_dim: int,
+               block_m: int) -> "BackwardWorkspace":
+        """The varlen layout's (FagenBwdParams: cu_seqlens_q): softmax_d and lse_log2 of the packed
+        rows, (heads_q, total_q) like its LSE; the accumulator varlen_accum_rows per head; sink
+        partials and semaphores per (batch row, head) as of(batch, ..., max_seqlen_q)."""
+        rows = heads_q * total_q
+        accum = heads_q * varlen_accum_rows(total_q, batch) * head_dim
+        partials = batch * heads_q * -(-max_seqlen_q // SINK_PARTIAL_ROWS)
+        return cls(dq_accum=0, softmax_d=accum, lse_log2=accum + rows, sink_partials=accum + 2 * rows,
+                   floats=accum + 2 * rows + partials,
+                   semaphores=batch * heads_q * -(-max_seqlen_q // block_m))
 
 
 @dataclass(frozen=True)

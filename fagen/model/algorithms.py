@@ -31,10 +31,14 @@ def _tag(fa_version: Any, direction: Any, layout: Any = _DENSE) -> str:
 
 
 def _discriminate(value: Any) -> str | None:
+    """The tag of the class a value asks for: its first layout's (a class may take several)."""
     if isinstance(value, dict):
-        return _tag(value.get("fa_version"), value.get("direction", "fwd"), value.get("layout", _DENSE))
-    return _tag(getattr(value, "fa_version", None), getattr(value, "direction", None),
-                getattr(value, "layout", _DENSE))
+        asked = (value.get("fa_version"), value.get("direction", "fwd"), value.get("layout", _DENSE))
+    else:
+        asked = (getattr(value, "fa_version", None), getattr(value, "direction", None),
+                 getattr(value, "layout", _DENSE))
+    found = ALGORITHMS.get(asked) if not isinstance(asked[0], bool) else None
+    return _tag(*asked) if found is None else _tag(found.FA_VERSION, found.DIRECTION, found.LAYOUTS[0])
 
 
 def available() -> str:

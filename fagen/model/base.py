@@ -256,9 +256,11 @@ class KernelSpec(BaseModel):
         "kernel per entry, like every other field")
     layout: Literal[contract.LAYOUTS] = Field(
         contract.LAYOUTS[0], description="how a call lays out its tensors: dense (flash_attn_func: "
-        "(batch, seqlen, heads, head_dim)) or paged (flash_attn_with_kvcache: K/V in a cache of "
+        "(batch, seqlen, heads, head_dim)), paged (flash_attn_with_kvcache: K/V in a cache of "
         "pages or one block per sequence, each sequence's length at run time, split-KV decoding; "
-        "fa_version 2 only)")
+        "fa_version 2 forward only) or varlen (flash_attn_varlen_func: sequences of different "
+        "lengths packed as (total, heads, head_dim) by cu_seqlens; fa_version 2 and 3, forward "
+        "and backward)")
     tile: TileBase
     max_seqlen_k: int | None = Field(
         None, gt=0, description="the runtime prefers this kernel for calls with at most this "
@@ -460,6 +462,7 @@ class KernelSpec(BaseModel):
             *(Constexpr(f"k{mod.capitalize()}", mod in self.score) for mod in contract.SCORE_MODS),
             Constexpr("kHeadDim", self.head_dim),
             Constexpr("kHeadDimV", self.value_dim),
+            *([Constexpr("kVarlen", self.layout == "varlen")] if "varlen" in self.LAYOUTS else []),
             *self.algorithm_constexprs(),
         ]
 

@@ -174,6 +174,7 @@ class Fa2ForwardSpec(KernelSpec):
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
         value_dim_rule(head_dim_problem, "the epilogue stages O through Q's buffer"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa2_fwd_sm80.cu.j2"

@@ -249,6 +249,7 @@ class Fa2BackwardSpec(KernelSpec):
     HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(
         value_dim_rule(head_dim_problem, "as the forward it differentiates"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa2_bwd_sm80.cu.j2"

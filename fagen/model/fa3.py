@@ -286,6 +286,7 @@ class Fa3ForwardSpec(KernelSpec):
         head_dim_problem, "the tuning rows choose a tile by head_dim, whose O must fit the "
         "consumers' registers"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"

@@ -35,8 +35,11 @@ from .tuning import TuningRow
 
 CONSUMERS = 2
 # Registers after setmaxnreg: the producer warpgroup's three roles (TMA loads, LSE/D loads, the
-# dQ writer) spilled at the forward's 24.
+# dQ writer) spilled at the forward's 24. The varlen layout's carry their batch row (its first
+# rows and lengths), and its dQ writer spilled 12 bytes at 32 (head_dim 256, causal and local);
+# 40 leaves the consumers' 232 as they are ((3 x 168 - 40) / 2 = 232).
 PRODUCER_REGISTERS = 32
+VARLEN_PRODUCER_REGISTERS = 40
 CONSUMER_KEYS = 64  # wgmma m64: a consumer's dK, dV rows
 # dS^T rows are block_m elements and must be one 128-byte swizzle atom wide (the dQ wgmma reads
 # them MN-major), so a step is 64 queries.
@@ -265,6 +268,7 @@ class Fa3BackwardSpec(KernelSpec):
         lambda head_dim, head_dim_v: "its consumers split one head dim's dK, dV and dQ (the FA2 "
         "backward takes head_dim_v)")
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 backward takes them"
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa3_bwd_sm90.cu.j2"
@@ -280,6 +284,12 @@ class Fa3BackwardSpec(KernelSpec):
     def geometry_of(head_dim: int, tile: Fa3BwdTile, head_dim_v: int | None = None) -> Fa3BwdGeometry:
         return Fa3BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages, head_dim_v=head_dim_v)
 
+    @property
+    def producer_registers(self) -> int:
+        producer = VARLEN_PRODUCER_REGISTERS if self.layout == "varlen" else PRODUCER_REGISTERS
+        assert consumer_registers(self.geometry.threads, CONSUMERS, producer) == self.geometry.consumer_registers
+        return producer
+
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [
@@ -291,7 +301,7 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kPtBuffers", g.pt_buffers),
             Constexpr("kColumnSplit", g.column_split),
             Constexpr("kDqBarriers", g.dq_barriers),
-            Constexpr("kProducerRegisters", PRODUCER_REGISTERS),
+            Constexpr("kProducerRegisters", self.producer_registers),
             Constexpr("kConsumerRegisters", g.consumer_registers),
             Constexpr("kLaunchRegisters", g.launch_registers),
             Constexpr("kSmemKOffset", g.smem_k_offset),

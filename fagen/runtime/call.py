@@ -110,6 +110,44 @@ class ScoreTensors:
     mask_args: int = 0
 
 
+@dataclass(frozen=True)
+class Varlen:
+    """The packing of a varlen call (contract.LAYOUTS; FagenFwdParams / FagenBwdParams): device
+    int32 arrays of (batch + 1) offsets, cu_seqlens_q into q and the output ((total_q, heads_q,
+    head_dim)), cu_seqlens_k into k and v ((total_k, heads_kv, head_dim)); total_q and total_k
+    are those tensors' rows; seqused_k (forward only; 0: none) a device int32 (batch,) of keys
+    used per batch row. The problem's batch is the number of rows, its seqlen_q and seqlen_k
+    the longest ones' (they size the grid); its tensors' batch strides are ignored."""
+
+    cu_seqlens_q: int
+    cu_seqlens_k: int
+    total_q: int
+    total_k: int
+    seqused_k: int = 0
+
+
+def _check_varlen(problem: Problem, varlen: Varlen | None) -> None:
+    if (problem.layout == "varlen") != (varlen is not None):
+        raise AttentionError("a varlen problem (layout='varlen') and its Varlen packing come together")
+    if varlen is None:
+        return
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        address = getattr(varlen, name)
+        if address == 0 or address % 4:
+            raise AttentionError(f"{name}: a non-null, 4-byte aligned int32 device array of "
+                                 f"(batch + 1,) = ({problem.batch + 1},) offsets is needed")
+    if varlen.seqused_k % 4:
+        raise AttentionError("seqused_k: a 4-byte aligned int32 device array of (batch,)")
+    if min(varlen.total_q, varlen.total_k) < 0 or varlen.total_q < problem.seqlen_q or varlen.total_k < problem.seqlen_k:
+        raise AttentionError(f"max_seqlen_q={problem.seqlen_q} / max_seqlen_k={problem.seqlen_k} cannot "
+                             f"exceed the packed rows total_q={varlen.total_q} / total_k={varlen.total_k}")
+
+
+def _packed(tensor: Tensor) -> Tensor:
+    """A varlen tensor's strides as the kernels take them: no batch stride."""
+    return Tensor(tensor.data, 0, tensor.row_stride, tensor.head_stride)
+
+
 def _check_score_tensors(problem: Problem, arrays: ScoreTensors, backward: bool = False) -> None:
     needed = {"alibi_slopes": problem.score.alibi, "sinks": problem.score.sinks,
               "dsinks": backward and problem.score.sinks}
@@ -182,12 +220,30 @@ def _tensor_map(dtype: str, tensor: Tensor, seqlen: int, heads: int, batch: int,
     )
 
 
-def _qkv_map_blob(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> bytes:
+def _map_rows(problem: Problem, varlen: Varlen | None) -> tuple[int, int, int]:
+    """(rows of q, rows of k, batch) that the tensor maps span: a varlen call's packed rows as
+    one batch row (algo/batch_row.cuh)."""
+    if varlen is None:
+        return problem.seqlen_q, problem.seqlen_k, problem.batch
+    return max(varlen.total_q, 1), max(varlen.total_k, 1), 1
+
+
+def _map_tensor(tensor: Tensor, rows: int) -> Tensor:
+    """A varlen tensor as its map of one batch row takes it: a batch stride (never used) that
+    encodes."""
+    return Tensor(tensor.data, rows * tensor.row_stride, tensor.row_stride, tensor.head_stride)
+
+
+def _qkv_map_blob(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch,
+                  varlen: Varlen | None = None) -> bytes:
     p = problem
+    rows_q, rows_k, batch = _map_rows(problem, varlen)
+    if varlen is not None:
+        q, k, v = _map_tensor(q, rows_q), _map_tensor(k, rows_k), _map_tensor(v, rows_k)
     return b"".join((
-        _tensor_map(p.dtype, q, p.seqlen_q, p.heads_q, p.batch, p.head_dim, launch.tma_q_rows),
-        _tensor_map(p.dtype, k, p.seqlen_k, p.heads_kv, p.batch, p.head_dim, launch.tma_kv_rows),
-        _tensor_map(p.dtype, v, p.seqlen_k, p.heads_kv, p.batch, p.value_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, q, rows_q, p.heads_q, batch, p.head_dim, launch.tma_q_rows),
+        _tensor_map(p.dtype, k, rows_k, p.heads_kv, batch, p.head_dim, launch.tma_kv_rows),
+        _tensor_map(p.dtype, v, rows_k, p.heads_kv, batch, p.value_dim, launch.tma_kv_rows),
     ))
 
 
@@ -195,24 +251,31 @@ def _blob_array(blob: bytes) -> ctypes.Array:
     return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
 
 
-def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch) -> ctypes.Array:
+def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch,
+             varlen: Varlen | None = None) -> ctypes.Array:
     """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch) (V: head_dim_v),
-    boxes of launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows."""
-    return _blob_array(_qkv_map_blob(problem, q, k, v, launch))
+    boxes of launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows; varlen: over the packed
+    rows, batch 1."""
+    return _blob_array(_qkv_map_blob(problem, q, k, v, launch, varlen))
 
 
 def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
-                 dq_accum: int) -> ctypes.Array:
+                 dq_accum: int, varlen: Varlen | None = None) -> ctypes.Array:
     """FagenBwdTmaMaps (params.h): Q, K, V as tma_maps(), dO like the output; and the fp32 dQ
     accumulator at `dq_accum`, (batch, heads_q, seqlen_q, head_dim) with
-    contract.dq_accum_rows(seqlen_q) rows per head, in boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
+    contract.dq_accum_rows(seqlen_q) rows per head (varlen: (1, heads_q, varlen_accum_rows)), in
+    boxes of ACCUM_BOX_COLUMNS x tma_q_rows."""
     p = problem
+    rows_q, _, batch = _map_rows(problem, varlen)
     row_bytes = p.head_dim * contract.ACCUM_BYTES
-    head_bytes = row_bytes * contract.dq_accum_rows(p.seqlen_q)
+    accum_rows = (contract.dq_accum_rows(p.seqlen_q) if varlen is None
+                  else contract.varlen_accum_rows(varlen.total_q, p.batch))
+    head_bytes = row_bytes * accum_rows
     return _blob_array(b"".join((
-        _qkv_map_blob(problem, t.q, t.k, t.v, launch),
-        _tensor_map(p.dtype, t.dout, p.seqlen_q, p.heads_q, p.batch, p.value_dim, launch.tma_q_rows),
-        _encode_tensor_map("fp32", dq_accum, (p.head_dim, p.seqlen_q, p.heads_q, p.batch),
+        _qkv_map_blob(problem, t.q, t.k, t.v, launch, varlen),
+        _tensor_map(p.dtype, t.dout if varlen is None else _map_tensor(t.dout, rows_q), rows_q, p.heads_q,
+                    batch, p.value_dim, launch.tma_q_rows),
+        _encode_tensor_map("fp32", dq_accum, (p.head_dim, accum_rows if varlen else p.seqlen_q, p.heads_q, batch),
                            (row_bytes, head_bytes, head_bytes * p.heads_q),
                            (contract.ACCUM_BOX_COLUMNS, launch.tma_q_rows, 1, 1)),
     )))
@@ -226,10 +289,17 @@ def _score_fields(scale: contract.KernelScale, arrays: ScoreTensors) -> dict:
 
 
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-               scale: contract.KernelScale, arrays: ScoreTensors = ScoreTensors()) -> FwdParams:
+               scale: contract.KernelScale, arrays: ScoreTensors = ScoreTensors(),
+               varlen: Varlen | None = None) -> FwdParams:
     """FagenFwdParams with o = lse = 0 (the launch fills them); lse is (batch, heads_q,
-    seqlen_q) contiguous."""
+    seqlen_q) contiguous (varlen: (heads_q, total_q))."""
     p = problem
+    if varlen is not None:
+        params = fwd_params(problem, _packed(q), _packed(k), _packed(v), _packed(out), scale, arrays)
+        params.lse_batch_stride, params.lse_head_stride = 0, varlen.total_q
+        params.cu_seqlens_q, params.cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        params.seqused_k = varlen.seqused_k or None
+        return params
     return FwdParams(
         q=q.data, k=k.data, v=v.data, o=0, lse=0,
         q_batch_stride=q.batch_stride, q_row_stride=q.row_stride, q_head_stride=q.head_stride,
@@ -291,12 +361,14 @@ def select(bundle: Bundle, problem: Problem, device: int = 0,
 def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             softmax_scale: float | None = None, device: int = 0,
             entry: KernelEntry | None = None,
-            score_tensors: ScoreTensors = ScoreTensors()) -> PreparedAttention:
+            score_tensors: ScoreTensors = ScoreTensors(),
+            varlen: Varlen | None = None) -> PreparedAttention:
     """Check the call, pick its kernel for the device (select(), unless `entry` names one of the
-    bundle's kernels) and build everything its launches need. Raises AttentionError for a call
-    the kernels cannot run, KernelNotFound when the bundle has no kernel for it, ScaleError for
-    a softmax_scale they cannot answer."""
+    bundle's kernels) and build everything its launches need; `varlen`: the packing of a varlen
+    problem. Raises AttentionError for a call the kernels cannot run, KernelNotFound when the
+    bundle has no kernel for it, ScaleError for a softmax_scale they cannot answer."""
     check_problem(problem)
+    _check_varlen(problem, varlen)
     if problem.seqlen_k == 0:
         raise AttentionError("need seqlen_k >= 1: without keys every row's result is O = 0 and "
                              "LSE = -inf, which the caller writes")
@@ -309,13 +381,15 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
         raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")
     tma = entry.launch.tma_q_rows > 0
+    if varlen is not None:
+        q, k, v, out = _packed(q), _packed(k), _packed(v), _packed(out)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, tensor, tma)
+        _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1), tma)
     _check_tensor("out", out, False)
-    extra = (tma_maps(problem, q, k, v, entry.launch),) if tma else ()
+    extra = (tma_maps(problem, q, k, v, entry.launch, varlen),) if tma else ()
     workspace = 4 * entry.launch.workspace_floats(problem.seqlen_q, problem.heads_q, problem.batch)
     return PreparedAttention(bundle.kernel(entry), grid,
-                             bytes(fwd_params(problem, q, k, v, out, scale, score_tensors)), extra,
+                             bytes(fwd_params(problem, q, k, v, out, scale, score_tensors, varlen)), extra,
                              device, workspace)
 
 
@@ -359,18 +433,30 @@ def select_backward(bundle: Bundle, problem: Problem, device: int = 0,
                          fa_version=fa_version)
 
 
-def backward_workspace(entry: KernelEntry, problem: Problem) -> contract.BackwardWorkspace:
+def backward_workspace(entry: KernelEntry, problem: Problem,
+                       total_q: int | None = None) -> contract.BackwardWorkspace:
     """What a backward of `problem` on `entry` needs beside its outputs (sizes in floats and
     ints): the caller allocates one fp32 buffer of .floats and, for the deterministic mode, a
-    zeroed int32 buffer of .semaphores."""
+    zeroed int32 buffer of .semaphores. A varlen problem gives its packed rows `total_q`."""
+    if problem.layout == "varlen":
+        return contract.BackwardWorkspace.varlen(problem.batch, problem.heads_q, total_q, problem.seqlen_q,
+                                                 problem.head_dim, entry.launch.block_m)
     return contract.BackwardWorkspace.of(problem.batch, problem.heads_q, problem.seqlen_q,
                                          problem.head_dim, entry.launch.block_m)
 
 
 def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardWorkspace,
                 workspace: int, semaphores: int, scale: contract.KernelScale,
-                softmax_scale: float | None, arrays: ScoreTensors) -> BwdParams:
+                softmax_scale: float | None, arrays: ScoreTensors, varlen: Varlen | None = None) -> BwdParams:
     p = problem
+    if varlen is not None:
+        packed = BackwardTensors(*(_packed(getattr(t, f)) for f in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")),
+                                 lse=t.lse)
+        params = _bwd_params(problem, packed, layout, workspace, semaphores, scale, softmax_scale, arrays)
+        params.lse_batch_stride, params.lse_head_stride = 0, varlen.total_q
+        params.cu_seqlens_q, params.cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        params.total_q = varlen.total_q
+        return params
     params = BwdParams(
         q=t.q.data, k=t.k.data, v=t.v.data, o=t.out.data, dout=t.dout.data, lse=t.lse,
         dq=t.dq.data, dk=t.dk.data, dv=t.dv.data,
@@ -395,14 +481,16 @@ def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardW
 def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, *,
                        workspace: int, semaphores: int = 0, softmax_scale: float | None = None,
                        stream: int = 0, device: int = 0, entry: KernelEntry | None = None,
-                       score_tensors: ScoreTensors = ScoreTensors()) -> None:
+                       score_tensors: ScoreTensors = ScoreTensors(), varlen: Varlen | None = None) -> None:
     """dq, dk, dv of one attention: the three backward kernels (fagen/contract.py, "Backward
     kernels") on `stream`, asynchronous. `workspace`: a device buffer of
     backward_workspace(...).floats fp32; `semaphores`: 0, or a zeroed int32 buffer of
     backward_workspace(...).semaphores for the deterministic mode (the same gradients, bit
     for bit, on every run); `score_tensors`: the modifiers' arrays, and with sinks dsinks, which
-    the backward writes (deterministic in either mode). Raises like prepare()."""
+    the backward writes (deterministic in either mode); `varlen`: the packing of a varlen
+    problem. Raises like prepare()."""
     check_problem(problem)
+    _check_varlen(problem, varlen)
     if problem.seqlen_k == 0 or problem.batch * problem.seqlen_q * problem.heads_q == 0:
         raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
                              "gradients of an empty attention are zeros, which the caller writes)")
@@ -421,12 +509,15 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")
     tma = entry.launch.tma_q_rows > 0
     for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
-        _check_tensor(name, getattr(tensors, name), tma and name in ("q", "k", "v", "dout"))
+        tensor = getattr(tensors, name)
+        _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1),
+                      tma and name in ("q", "k", "v", "dout"))
     if not workspace:
         raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
-    params = _bwd_params(problem, tensors, backward_workspace(entry, problem), workspace, semaphores,
-                         scale, softmax_scale, score_tensors)
-    extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum),) if tma else ()
+    layout = backward_workspace(entry, problem, None if varlen is None else varlen.total_q)
+    params = _bwd_params(problem, tensors, layout, workspace, semaphores, scale, softmax_scale, score_tensors,
+                         varlen)
+    extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum, varlen),) if tma else ()
     kernel = bundle.kernel(entry)
     with driver.primary_context(device):
         kernel.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows,

@@ -1,6 +1,6 @@
 """Stage 6: the torch adapter (flash-attn's calling convention on fagen bundles): the forward
 (adapter.py), its backward and autograd (backward.py), the public call (api.py) and the call
-over a KV cache (kvcache.py)."""
+over a KV cache (kvcache.py) and over packed sequences (varlen.py)."""
 
 try:
     import torch  # noqa: F401
@@ -14,8 +14,9 @@ from .adapter import bundle_path, flash_attn_fwd, get_bundle, kernel_key
 from .api import flash_attn_func
 from .backward import flash_attn_bwd
 from .kvcache import flash_attn_with_kvcache
+from .varlen import flash_attn_varlen_func
 
 __all__ = [
     "Bundle", "BundleError", "KernelNotFound", "bundle_path", "flash_attn_bwd", "flash_attn_func",
-    "flash_attn_fwd", "flash_attn_with_kvcache", "get_bundle", "kernel_key",
+    "flash_attn_fwd", "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_bundle", "kernel_key",
 ]

@@ -11,7 +11,9 @@
 //    sink_partials).
 // 5: mask_args (a custom mask's arguments).
 // 6: the serving fields of FagenFwdParams (cu_seqlens_q ... lse_partial).
-#define FAGEN_ABI_VERSION 6
+// 7: cu_seqlens_k (FagenFwdParams), cu_seqlens_q, cu_seqlens_k and total_q (FagenBwdParams):
+//    the varlen layout.
+#define FAGEN_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -83,6 +85,12 @@ typedef struct FagenFwdParams {
     int num_splits;
     float* o_partial;    // (num_splits, batch * seqlen_q, heads_q, head_dim_v) fp32
     float* lse_partial;  // (num_splits, heads_q, batch * seqlen_q) fp32
+
+    // The varlen layout (read only by its kernels; algo/batch_row.cuh): with cu_seqlens_q above,
+    // cu_seqlens_k, (batch + 1) int32 offsets of each batch row's keys in k and v, which are then
+    // packed like q ((total_k, heads_kv, head_dim), batch strides 0); seqlen_q and seqlen_k are
+    // the longest rows' (they size the grid), seqused_k (if not null) caps each row's keys.
+    const int* cu_seqlens_k;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
@@ -137,6 +145,12 @@ typedef struct FagenBwdParams {
     // workspace's per-16-row partials (fagen/contract.py: BackwardWorkspace.sink_partials).
     float* dsinks;
     float* sink_partials;
+    // The varlen layout, as in FagenFwdParams: q, o, dout, dq packed by cu_seqlens_q, k, v, dk,
+    // dv by cu_seqlens_k, the LSE (heads_q, total_q); the workspace then holds the packed rows
+    // (fagen/contract.py: BackwardWorkspace.varlen). total_q: q's rows (its first dimension).
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int total_q;
 } FagenBwdParams;
 
 // A CUtensorMap (cuda.h) as an opaque, 64-byte-aligned blob: kernels built with NVRTC cannot

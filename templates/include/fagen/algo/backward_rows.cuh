@@ -8,8 +8,9 @@
 // 16 x 8 tile (rows 16R.., columns 8T..) is 128 consecutive floats in the order of an mma.sync
 // C fragment (algo/fragment.cuh), lane by lane, so that a warp adds a whole tile with one
 // 16-byte reduction per lane, 512 contiguous bytes. Tiles of a 16-row group follow each other
-// by column; a head's rows are padded to 16.
+// by column; a head's rows are padded to 16 (varlen: each batch row's, algo/batch_row.cuh).
 #pragma once
+#include "fagen/algo/batch_row.cuh"
 #include "fagen/algo/fragment.cuh"
 #include "fagen/algo/lse.cuh"
 #include "fagen/algo/element.cuh"
@@ -21,16 +22,19 @@ namespace fagen::algo {
 
 // kHeadDim: Q's and dQ's columns; kHeadDimV: O's and dO's.
 template <class Element, int kHeadDim, int kHeadDimV, int kRowsPerCta, int kRowThreads, int kAccumRowAlign,
-          bool kSinks, bool kFragmentTiles = false>
+          bool kSinks, bool kFragmentTiles = false, bool kVarlen = false>
 struct BackwardRows {
     using Ops = algo::ElementOps<Element>;
+    using Row = BatchRow<kVarlen, kAccumRowAlign>;
     static_assert(!kFragmentTiles || (kHeadDim % 8 == 0 && kAccumRowAlign % 16 == 0));
 
-    // The accumulator's first float of query head `head_of_batch` (batch * heads_q + head): its
-    // rows are padded to kAccumRowAlign (fagen/contract.py, BackwardWorkspace).
-    static __device__ __forceinline__ long long accum_head(const FagenBwdParams& p, int head_of_batch) {
-        const long long rows = (p.seqlen_q + kAccumRowAlign - 1) / kAccumRowAlign * kAccumRowAlign;
-        return head_of_batch * rows * kHeadDim;
+    // The accumulator's first float of query head `head_of_batch` (batch * heads_q + head) of
+    // batch row `seq`: its rows are padded to kAccumRowAlign (fagen/contract.py,
+    // BackwardWorkspace). The dense layout's needs no batch index.
+    static __device__ __forceinline__ long long accum_head(const FagenBwdParams& p, const Row& seq, int batch,
+                                                           int head_of_batch) {
+        if constexpr (kVarlen) return seq.accum_row(p, batch, head_of_batch - batch * p.heads_q) * kHeadDim;
+        return head_of_batch * seq.accum_rows(p) * kHeadDim;
     }
 
     // The accumulator's offset of columns (2 pair, 2 pair + 1) of a head's row `row`.
@@ -54,18 +58,20 @@ struct BackwardRows {
         static_assert(kHeadDimV % 16 == 0 && kRowsPerCta == 16 * (kRowThreads / 32), "a warp per 16 rows");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
-        const long long head_row0 = (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+        const Row seq = Row::of(p, batch);
+        const int seqlen_q = seq.seqlen_q(p);
+        const long long head_row0 = seq.row_array(p, batch, head);
         const int first = blockIdx.x * kRowsPerCta + 16 * warp;
-        if (first >= p.seqlen_q) return;
+        if (first >= seqlen_q) return;
         // The operand fragments' rows of this lane (algo/fragment.cuh): g and g + 8, columns 2t,
         // 2t + 1 and 2t + 8, 2t + 9 of each k16 step; rows past seqlen_q read as zeros.
         const int g = lane / 4, t = lane % 4;
         auto row_pairs = [&](const void* base, long long batch_stride, long long head_stride, long long row_stride,
                              int row) {
-            return row < p.seqlen_q ? reinterpret_cast<const uint32_t*>(static_cast<const Element*>(base) +
-                                                                        batch * batch_stride + head * head_stride +
-                                                                        row * row_stride)
-                                    : nullptr;
+            return row < seqlen_q ? reinterpret_cast<const uint32_t*>(static_cast<const Element*>(base) +
+                                                                      batch * batch_stride + head * head_stride +
+                                                                      (seq.q_begin() + row) * row_stride)
+                                  : nullptr;
         };
         const uint32_t* o_rows[2] = {row_pairs(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, first + g),
                                      row_pairs(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, first + g + 8)};
@@ -91,8 +97,8 @@ struct BackwardRows {
         if (t == g / 2) {
             for (int half = 0; half < 2; ++half) {
                 const int row = first + g + 8 * half;
-                if (row >= p.seqlen_q) continue;
-                const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+                if (row >= seqlen_q) continue;
+                const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin() + row];
                 const float d = acc[half][2 * half + g % 2];
                 p.softmax_d[head_row0 + row] = d;
                 p.lse_log2[head_row0 + row] = algo::base2_lse(lse);
@@ -108,8 +114,8 @@ struct BackwardRows {
             for (int offset = 16; offset > 0; offset /= 2) sink_grad += __shfl_xor_sync(0xffffffffu, sink_grad, offset);
             if (lane == 0) p.sink_partials[(batch * p.heads_q + head) * sink_partials_per_head(p) + first / 16] = sink_grad;
         }
-        float* accum = p.dq_accum + accum_head(p, batch * p.heads_q + head);
-        for (int r = 0; r < 16 && first + r < p.seqlen_q; ++r) {
+        float* accum = p.dq_accum + accum_head(p, seq, batch, batch * p.heads_q + head);
+        for (int r = 0; r < 16 && first + r < seqlen_q; ++r) {
             for (int i = lane; i < kHeadDim / 2; i += 32) {
                 *reinterpret_cast<float2*>(accum + accum_offset(first + r, i)) = make_float2(0.f, 0.f);
             }
@@ -122,7 +128,8 @@ struct BackwardRows {
 
     // ---------------------------------------------------------------- dq
     // Also, with sinks, dL/dsink of each head: the first CTA of the head's rows in batch 0 sums
-    // the preprocess's partials of every batch in a fixed order (deterministic in any mode).
+    // the preprocess's partials of every batch in a fixed order (deterministic in any mode);
+    // varlen: of each batch row's own rows.
     static __device__ void convert_dq(const FagenBwdParams& p) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int head = blockIdx.y, batch = blockIdx.z;
@@ -132,19 +139,21 @@ struct BackwardRows {
                 float sum = 0.f;
                 for (int b = 0; b < p.batch; ++b) {
                     const float* partials = p.sink_partials + (b * p.heads_q + head) * per_head;
-                    for (int i = lane; i < per_head; i += 32) sum += partials[i];
+                    const int written = kVarlen ? (Row::of(p, b).seqlen_q(p) + 15) / 16 : per_head;
+                    for (int i = lane; i < written; i += 32) sum += partials[i];
                 }
 #pragma unroll
                 for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
                 if (lane == 0) p.dsinks[head] = sum;
             }
         }
+        const Row seq = Row::of(p, batch);
         for (int r = warp; r < kRowsPerCta; r += kRowThreads / 32) {
             const int row = blockIdx.x * kRowsPerCta + r;
-            if (row >= p.seqlen_q) break;
-            const float* accum = p.dq_accum + accum_head(p, batch * p.heads_q + head);
+            if (row >= seq.seqlen_q(p)) break;
+            const float* accum = p.dq_accum + accum_head(p, seq, batch, batch * p.heads_q + head);
             Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
-                          head * p.dq_head_stride + row * p.dq_row_stride;
+                          head * p.dq_head_stride + (seq.q_begin() + row) * p.dq_row_stride;
             for (int i = lane; i < kHeadDim / 2; i += 32) {
                 const float2 g = *reinterpret_cast<const float2*>(accum + accum_offset(row, i));
                 reinterpret_cast<uint32_t*>(dq)[i] = Ops::pack(g.x * p.softmax_scale, g.y * p.softmax_scale);

@@ -52,10 +52,16 @@ struct AttentionMask {
     int window_right;  // kLocal only
 
     // The mask of a launch (FagenFwdParams or FagenBwdParams), for batch row `batch` (which
-    // only a custom mask reads).
+    // only a custom mask reads), whose row has seqlen_q queries and seqlen_k keys (the
+    // launch's, unless varlen: algo/batch_row.cuh).
     template <class Params>
     static __device__ __forceinline__ AttentionMask of(const Params& p, int /*batch*/ = 0) {
         return {p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    }
+    template <class Params>
+    static __device__ __forceinline__ AttentionMask of(const Params& p, int /*batch*/, int seqlen_q,
+                                                       int seqlen_k) {
+        return {seqlen_q, seqlen_k, p.window_left, p.window_right};
     }
 
     __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }
@@ -197,7 +203,11 @@ struct CustomMask {
 
     template <class Params>
     static __device__ __forceinline__ CustomMask of(const Params& p, int batch = 0) {
-        return {User::of(p.mask_args, batch, p.seqlen_q, p.seqlen_k), p.seqlen_q, p.seqlen_k};
+        return of(p, batch, p.seqlen_q, p.seqlen_k);
+    }
+    template <class Params>
+    static __device__ __forceinline__ CustomMask of(const Params& p, int batch, int seqlen_q, int seqlen_k) {
+        return {User::of(p.mask_args, batch, seqlen_q, seqlen_k), seqlen_q, seqlen_k};
     }
 
     __device__ __forceinline__ IndexRange keys_of(int row_begin, int rows) const {

@@ -40,10 +40,16 @@ struct ScoreMod {
     float alibi_slope;    // kAlibi: the head's slope in the units of u (see the top of the file)
     int causal_offset;    // seqlen_k - seqlen_q: the distance's origin
 
-    // The modifier of query head `head` of batch `batch` (FagenFwdParams or FagenBwdParams).
+    // The modifier of query head `head` of batch `batch` (FagenFwdParams or FagenBwdParams),
+    // whose row has seqlen_q queries and seqlen_k keys (the launch's, unless varlen).
     template <class Params>
     static __device__ __forceinline__ ScoreMod of(const Params& p, int batch, int head) {
-        ScoreMod mod{0.f, 0.f, p.seqlen_k - p.seqlen_q};
+        return of(p, batch, head, p.seqlen_q, p.seqlen_k);
+    }
+    template <class Params>
+    static __device__ __forceinline__ ScoreMod of(const Params& p, int batch, int head, int seqlen_q,
+                                                  int seqlen_k) {
+        ScoreMod mod{0.f, 0.f, seqlen_k - seqlen_q};
         if constexpr (kSoftcap) mod.softcap_scale = p.softcap_scale;
         if constexpr (kAlibi) {
             mod.alibi_slope = p.alibi_slopes[batch * p.alibi_batch_stride + head] * (kLog2e / p.scale_log2);

@@ -17,6 +17,7 @@
 // Work indices: tile t of a pair item s is index 2s + t; a walk is
 //     for (int i = sched.first(); i < sched.end(); i = sched.next(i)) { sched.tile(i) ... }
 #pragma once
+#include "fagen/algo/batch_row.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/params.h"
 
@@ -88,23 +89,32 @@ struct TileScheduler {
 };
 
 // What a kernel needs to know about its tile: where its rows start, which K/V head it reads
-// (GQA/MQA: heads_q / heads_kv query heads share one), and which key blocks it visits
+// (GQA/MQA: heads_q / heads_kv query heads share one), which key blocks it visits
 // (AttentionMask::key_blocks): n_blocks of them (<= 0 when none of its rows sees a key), the
-// j-th being n_block(j), from the last down.
-struct TileWork {
+// j-th being n_block(j), from the last down; and its batch row (algo/batch_row.cuh: nothing in
+// the dense layout; varlen: the row's lengths and first rows, and no key blocks for a tile past
+// its queries).
+// The batch row is a base, not a member: the dense layout's empty one then takes no space (as a
+// member it made the Work 28 bytes instead of 24, and a persistent kernel that carries the Work
+// from tile to tile spilled).
+template <bool kVarlen = false>
+struct TileWork : BatchRow<kVarlen> {
     int head, batch, kv_head, row_begin, n_end, n_blocks;
 
+    __device__ __forceinline__ BatchRow<kVarlen> seq() const { return *this; }
     __device__ __forceinline__ int n_block(int j) const { return n_end - 1 - j; }
     __device__ __forceinline__ KeyBlocks key_blocks() const { return {n_end - n_blocks, n_end}; }
 };
 
 // The work of tile `t` under the mask type `Mask` (AttentionMask<kind> or CustomMask<User>).
-template <class Mask>
-__device__ __forceinline__ TileWork tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
-                                              int block_n) {
+template <class Mask, bool kVarlen = false>
+__device__ __forceinline__ TileWork<kVarlen> tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
+                                                       int block_n) {
     const int row_begin = t.m_block * block_m;
-    const KeyBlocks blocks = Mask::of(p, t.batch).key_blocks(row_begin, block_m, block_n);
-    return {t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin, blocks.end, blocks.count()};
+    const auto seq = BatchRow<kVarlen>::of(p, t.batch);
+    KeyBlocks blocks = Mask::of(p, t.batch, seq.seqlen_q(p), seq.seqlen_k(p)).key_blocks(row_begin, block_m, block_n);
+    if (kVarlen && row_begin >= seq.seqlen_q(p)) blocks = {0, 0};
+    return {seq, t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin, blocks.end, blocks.count()};
 }
 
 }  // namespace fagen::algo

@@ -60,7 +60,9 @@ struct Backward {
     using DsoftcapOps = algo::ElementOps<__half>;  // the softcap's 1 - u^2, kept as fp16 pairs
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
                                     Config::kBwdRowThreads,
-                                    Config::kDqAccumRowAlign, Config::kSinks, /*kFragmentTiles=*/true>;
+                                    Config::kDqAccumRowAlign, Config::kSinks, /*kFragmentTiles=*/true,
+                                    Config::kVarlen>;
+    using Row = typename Rows::Row;  // the tile's batch row (algo/batch_row.cuh)
 
     static constexpr int kThreads = Config::kThreads;
     static constexpr int kHeadDim = Config::kHeadDim;    // Q, K, dQ, dK columns
@@ -280,19 +282,22 @@ struct Backward {
         // head live (with them the causal tile at head_dim 128 spilled).
         const int first_head = tile.head_of_batch * group;
         const int key_begin = n_block * kBlockN;
-        const Mask mask = Mask::of(p, batch);
-        // The query blocks [i_begin, i_end) with a row that sees one of this tile's keys.
+        const Row seq = Row::of(p, batch);
+        const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
+        const Mask mask = Mask::of(p, batch, seqlen_q, seqlen_k);
+        // The query blocks [i_begin, i_end) with a row that sees one of this tile's keys (none
+        // for a varlen tile past its batch row's keys).
         const algo::KeyBlocks queries = mask.query_blocks(key_begin, kBlockN, kBlockM);
         const int i_begin = queries.begin, i_end = queries.end;
-        const int i_count = max(0, queries.count());
+        const int i_count = Config::kVarlen && key_begin >= seqlen_k ? 0 : max(0, queries.count());
         const int steps = group * i_count;  // (query head, query block) pairs this CTA walks
 
         const Smem s{static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))};
         const Element* k = static_cast<const Element*>(p.k) + batch * p.k_batch_stride +
-                           kv_head * p.k_head_stride + key_begin * p.k_row_stride;
+                           kv_head * p.k_head_stride + (seq.k_begin() + key_begin) * p.k_row_stride;
         const Element* v = static_cast<const Element*>(p.v) + batch * p.v_batch_stride +
-                           kv_head * p.v_head_stride + key_begin * p.v_row_stride;
-        const int keys_valid = p.seqlen_k - key_begin;
+                           kv_head * p.v_head_stride + (seq.k_begin() + key_begin) * p.v_row_stride;
+        const int keys_valid = seqlen_k - key_begin;
 
         const int key_group = warp % kKeyGroups, col_split = warp / kKeyGroups;
         const int query_group = warp % kQueryGroups, dq_split = warp / kQueryGroups;
@@ -303,12 +308,14 @@ struct Backward {
         algo::StepCursor loading{first_head, i_begin};
         const int first_row = i_begin * kBlockM;
         const Element* q_rows = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
-                                kv_head * group * p.q_head_stride + first_row * p.q_row_stride;
+                                kv_head * group * p.q_head_stride + (seq.q_begin() + first_row) * p.q_row_stride;
         const Element* dout_rows = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                                   kv_head * group * p.do_head_stride + first_row * p.do_row_stride;
-        long long lse_row0 = static_cast<long long>(first_head) * p.seqlen_q + first_row;
+                                   kv_head * group * p.do_head_stride +
+                                   (seq.q_begin() + first_row) * p.do_row_stride;
+        long long lse_row0 = (Config::kVarlen ? seq.row_array(p, batch, kv_head * group)
+                                              : static_cast<long long>(first_head) * p.seqlen_q) + first_row;
         auto load_step = [&](int stage) {
-            const int rows_valid = p.seqlen_q - loading.block * kBlockM;
+            const int rows_valid = seqlen_q - loading.block * kBlockM;
             algo::load_rows<Element, kBlockM, kHeadDim, kPitch, kThreads>(s.q(stage), q_rows, p.q_row_stride,
                                                                           rows_valid, tid);
             algo::load_rows<Element, kBlockM, kHeadDimV, kVPitch, kThreads>(s.dout(stage), dout_rows,
@@ -323,7 +330,7 @@ struct Backward {
                 const int walked = i_count * kBlockM;
                 q_rows += p.q_head_stride - walked * p.q_row_stride;
                 dout_rows += p.do_head_stride - walked * p.do_row_stride;
-                lse_row0 += p.seqlen_q - walked;
+                lse_row0 += seq.rows_per_head(p) - walked;
             }
         };
 
@@ -374,13 +381,13 @@ struct Backward {
             const float* lse = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.lse(stage)));
             const float* dsum = reinterpret_cast<const float*>(__cvta_shared_to_generic(s.d(stage)));
             const int first_key = key_begin + warp_key, first_query = row_begin + warp_query;
-            const bool needs_mask = first_query + kBlockM / kColSplits > p.seqlen_q ||
+            const bool needs_mask = first_query + kBlockM / kColSplits > seqlen_q ||
                                     mask.block_needs_mask(first_key / kWarpKeys, first_query, kBlockM / kColSplits, kWarpKeys);
             float acc_s[kKeyTiles][kSTiles][4];
             float acc_dp[kKeyTiles][kSTiles][4];
             // The softcap's 1 - u^2 per score (algo/score.cuh), for dS, as fp16 pairs.
             uint32_t dsoftcap[Config::kSoftcap ? kKeyTiles : 1][Config::kSoftcap ? kSTiles : 1][2];
-            const auto score = Score::of(p, batch, head - batch * p.heads_q);
+            const auto score = Score::of(p, batch, head - batch * p.heads_q, seqlen_q, seqlen_k);
             warp_product_nt<kHeadDim, kPitch>(acc_s, s.k() + a_lane + warp_key * kPitch,
                                               s.q(stage) + b_lane + warp_query * kPitch);
 #pragma unroll
@@ -409,7 +416,7 @@ struct Backward {
                         for (int i = 0; i < 4; ++i) {
                             const algo::FragmentCoord f = algo::fragment_coord(lane, m, n, i);
                             const int key_abs = first_key + f.row, query_abs = first_query + f.col;
-                            if (query_abs >= p.seqlen_q || mask.masked(query_abs, key_abs)) acc_s[m][n][i] = 0.f;
+                            if (query_abs >= seqlen_q || mask.masked(query_abs, key_abs)) acc_s[m][n][i] = 0.f;
                         }
             }
             warp_product_nt<kHeadDimV, kVPitch>(acc_dp, s.v() + v_a_lane + warp_key * kVPitch,
@@ -432,8 +439,8 @@ struct Backward {
             // dQ (kWarpQueries queries x kDqCols) += dS K, added to the accumulator in global
             // memory in chunks of kDqChunkCols columns (a whole 16 x 128 chunk beside dK and dV
             // spills at head_dim 256).
-            const DqRows dq_rows{p.dq_accum + Rows::accum_head(p, head) + row_begin * kHeadDim,
-                                 p.seqlen_q - row_begin, query_group * kWarpQueries, lane};
+            const DqRows dq_rows{p.dq_accum + Rows::accum_head(p, seq, batch, head) + row_begin * kHeadDim,
+                                 seqlen_q - row_begin, query_group * kWarpQueries, lane};
             const uint32_t ds_lane = s.ds() + pat_lane + query_group * kWarpQueries * 2;
             float acc_dq[kDqRowTiles][kDqChunkTiles][4];
             auto dq_chunk = [&](int chunk) {  // its product into acc_dq; returns its first column
@@ -487,9 +494,10 @@ struct Backward {
 
         const typename Order::Tile again = tile_of_cta(p);
         const int end_batch = again.head_of_batch / p.heads_kv, end_kv_head = again.head_of_batch % p.heads_kv;
-        store_kv(p, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale,
+        const Row end_seq = Row::of(p, end_batch);
+        store_kv(p, end_seq, acc_dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale,
                  end_batch, end_kv_head, key_begin + warp_key, col_split * kKCols, lane);
-        store_kv(p, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
+        store_kv(p, end_seq, acc_dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f,
                  end_batch, end_kv_head, key_begin + warp_key, col_split * kVCols, lane);
     }
 
@@ -560,15 +568,16 @@ struct Backward {
     // A warp's dK or dV rows from the accumulator layout (kTiles n8 tiles of columns from
     // col0): scale * acc as the element type, rows first_key... past seqlen_k left out.
     template <int kTiles>
-    static __device__ __forceinline__ void store_kv(const FagenBwdParams& p,
+    static __device__ __forceinline__ void store_kv(const FagenBwdParams& p, const Row& seq,
                                                     const float (&acc)[kKeyTiles][kTiles][4], void* out,
                                                     long long batch_stride, long long row_stride,
                                                     long long head_stride, float scale, int batch,
                                                     int kv_head, int first_key, int col0, int lane) {
-        Element* const origin = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride;
+        Element* const origin = static_cast<Element*>(out) + batch * batch_stride + kv_head * head_stride +
+                                seq.k_begin() * row_stride;
         algo::for_each_pair(acc, lane, [&](algo::FragmentCoord f, float lo, float hi) {
             const int key = first_key + f.row;
-            if (key < p.seqlen_k) {
+            if (key < seq.seqlen_k(p)) {
                 *reinterpret_cast<uint32_t*>(origin + key * row_stride + col0 + f.col) = Ops::pack(lo * scale, hi * scale);
             }
         });

@@ -8,9 +8,11 @@
 // tiles): S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulation, operands
 // fetched by ldmatrix; P stays in registers between the two MMAs. Key blocks are visited last
 // to first, so the (at most two) blocks that need masking come first and the rest run unmasked.
+// Dense or varlen (Config::kVarlen: algo/batch_row.cuh).
 #pragma once
 #include "fagen/types.cuh"
 
+#include "fagen/algo/batch_row.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/online_softmax.cuh"
 #include "fagen/algo/score.cuh"
@@ -67,15 +69,18 @@ struct Forward {
         const int kv_head = head / (p.heads_q / p.heads_kv);
         const int row_begin = m_block * Config::kBlockM;
         const int warp_row = warp * Config::kWarpRows;  // first row of this warp in the block
+        const auto seq = algo::BatchRow<Config::kVarlen>::of(p, batch);
+        if (Config::kVarlen && row_begin >= seq.seqlen_q(p)) return;  // past its batch row's queries
 
-        const auto mask = Config::Mask::of(p, batch);
-        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(p, batch, head);
+        const auto mask = Config::Mask::of(p, batch, seq.seqlen_q(p), seq.seqlen_k(p));
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(p, batch, head, seq.seqlen_q(p),
+                                                                                 seq.seqlen_k(p));
         const algo::KeyBlocks blocks = mask.key_blocks(row_begin, Config::kBlockM, Config::kBlockN);
         const int n_blocks = blocks.count();
 
-        Element* o = algo::tile_output<Element>(p, batch, head, row_begin);
-        float* lse = algo::tile_lse(p, batch, head, row_begin);
-        const int rows_valid = p.seqlen_q - row_begin;
+        Element* o = algo::tile_output<Element>(p, batch, head, seq.q_begin() + row_begin);
+        float* lse = algo::tile_lse(p, batch, head, seq.q_begin() + row_begin);
+        const int rows_valid = seq.seqlen_q(p) - row_begin;
 
         if (n_blocks <= 0) {
             algo::write_empty_rows<Element, Config::kBlockM, Config::kHeadDimV, kThreads>(
@@ -84,11 +89,11 @@ struct Forward {
         }
 
         const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
-                           head * p.q_head_stride + row_begin * p.q_row_stride;
+                           head * p.q_head_stride + (seq.q_begin() + row_begin) * p.q_row_stride;
         const Element* k = static_cast<const Element*>(p.k) + batch * p.k_batch_stride +
-                           kv_head * p.k_head_stride;
+                           kv_head * p.k_head_stride + seq.k_begin() * p.k_row_stride;
         const Element* v = static_cast<const Element*>(p.v) + batch * p.v_batch_stride +
-                           kv_head * p.v_head_stride;
+                           kv_head * p.v_head_stride + seq.k_begin() * p.v_row_stride;
 
         const uint32_t smem_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
         const uint32_t smem_kv = smem_q + Config::kSmemQBytes;
@@ -99,12 +104,12 @@ struct Forward {
         auto load_k = [&](uint32_t dst, int j) {
             const int key_begin = key_begin_of(j);
             load_rows<Config::kBlockN, Config::kHeadDim, kPitch>(
-                dst, k + key_begin * p.k_row_stride, p.k_row_stride, p.seqlen_k - key_begin, tid);
+                dst, k + key_begin * p.k_row_stride, p.k_row_stride, seq.seqlen_k(p) - key_begin, tid);
         };
         auto load_v = [&](uint32_t dst, int j) {
             const int key_begin = key_begin_of(j);
             load_rows<Config::kBlockN, Config::kHeadDimV, kVPitch>(
-                dst, v + key_begin * p.v_row_stride, p.v_row_stride, p.seqlen_k - key_begin, tid);
+                dst, v + key_begin * p.v_row_stride, p.v_row_stride, seq.seqlen_k(p) - key_begin, tid);
         };
         // Ring slot of the j-th visited block: its K rows, then its V rows.
         auto k_slot = [&](int j) {

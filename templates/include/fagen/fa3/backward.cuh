@@ -1,7 +1,8 @@
 // FlashAttention-3 backward on Hopper (sm_90a): the FA2 backward's recomputation (fa2/backward.cuh:
 // a key block's dK and dV stay in registers while it walks the query blocks) with TMA loads into
 // an mbarrier ring, wgmma for all five products, warp specialization with register reallocation
-// (FlashAttention-3 paper, section 3 and its backward).
+// (FlashAttention-3 paper, section 3 and its backward). Dense or varlen (Config::kVarlen:
+// algo/batch_row.cuh; a varlen map spans the packed rows, batch 1).
 //
 // Three kernels of one cubin (fagen/contract.py, "Backward kernels"): the row kernels of
 // algo/backward_rows.cuh before and after this file's main kernel.
@@ -73,7 +74,9 @@ struct Backward {
     using Mask = algo::AttentionMask<Config::kMask>;
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
-                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks>;
+                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks,
+                                    /*kFragmentTiles=*/false, Config::kVarlen>;
+    using Row = typename Rows::Row;  // a tile's batch row (algo/batch_row.cuh)
     using Order = algo::TileOrder<Mask, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;
@@ -181,12 +184,17 @@ struct Backward {
     // The walk of one CTA: key block `n_block` of K/V head `kv_head`, over the query blocks
     // i_begin ... i_begin + i_count - 1 of each query head of the group (AttentionMask::
     // query_blocks: those with a row that sees one of its keys).
+    // Varlen: its batch row's (`seq`), none for a key block past the row's keys.
     struct Walk {
         int n_block, kv_head, batch, group, i_begin, i_count;
+        Row seq;
 
         __device__ int key_begin() const { return n_block * kBlockN; }
         __device__ long long head_row0(const FagenBwdParams& p, int head) const {
-            return (static_cast<long long>(batch) * p.heads_q + head) * p.seqlen_q;
+            return seq.row_array(p, batch, head);
+        }
+        __device__ Mask mask(const FagenBwdParams& p) const {
+            return Mask::of(p, batch, seq.seqlen_q(p), seq.seqlen_k(p));
         }
     };
 
@@ -202,9 +210,10 @@ struct Backward {
         w.kv_head = at.head_of_batch % p.heads_kv;
         w.batch = at.head_of_batch / p.heads_kv;
         w.group = p.heads_q / p.heads_kv;
-        const algo::KeyBlocks queries = Mask::of(p).query_blocks(w.key_begin(), kBlockN, kBlockM);
+        w.seq = Row::of(p, w.batch);
+        const algo::KeyBlocks queries = w.mask(p).query_blocks(w.key_begin(), kBlockN, kBlockM);
         w.i_begin = queries.begin;
-        w.i_count = max(0, queries.count());
+        w.i_count = Config::kVarlen && w.key_begin() >= w.seq.seqlen_k(p) ? 0 : max(0, queries.count());
         return w;
     }
 
@@ -230,16 +239,17 @@ struct Backward {
 
         __device__ void tile(const Walk& w) const {
             ptx::mbarrier_arrive_expect_tx(s.kv_full(), 2 * kKVBytes);
-            algo::tma_copy_tile<kChunks>(maps.k, s.k(), kBlockN, s.kv_full(), w.key_begin(), w.kv_head, w.batch);
-            algo::tma_copy_tile<kChunks>(maps.v, s.v(), kBlockN, s.kv_full(), w.key_begin(), w.kv_head, w.batch);
+            const int key_row = w.seq.k_begin() + w.key_begin(), batch = w.seq.tma_batch(w.batch);
+            algo::tma_copy_tile<kChunks>(maps.k, s.k(), kBlockN, s.kv_full(), key_row, w.kv_head, batch);
+            algo::tma_copy_tile<kChunks>(maps.v, s.v(), kBlockN, s.kv_full(), key_row, w.kv_head, batch);
         }
         __device__ void step(const Walk& w, int head, int m_block, int t) const {
             const int st = t % kStages;
             ptx::mbarrier_wait_parity(s.empty(st), algo::ring_parity<kStages>(t) ^ 1);
             ptx::mbarrier_arrive_expect_tx(s.full(st), 2 * kQBytes);
-            algo::tma_copy_tile<kChunks>(maps.q, s.q(st), kBlockM, s.full(st), m_block * kBlockM, head, w.batch);
-            algo::tma_copy_tile<kChunks>(maps.dout, s.dout(st), kBlockM, s.full(st), m_block * kBlockM, head,
-                                         w.batch);
+            const int row = w.seq.q_begin() + m_block * kBlockM, batch = w.seq.tma_batch(w.batch);
+            algo::tma_copy_tile<kChunks>(maps.q, s.q(st), kBlockM, s.full(st), row, head, batch);
+            algo::tma_copy_tile<kChunks>(maps.dout, s.dout(st), kBlockM, s.full(st), row, head, batch);
         }
     };
 
@@ -255,7 +265,7 @@ struct Backward {
             const int st = t % kStages;
             ptx::mbarrier_wait_parity(s.empty(st), algo::ring_parity<kStages>(t) ^ 1);
             const int row_begin = m_block * kBlockM;
-            const int rows_valid = p.seqlen_q - row_begin;
+            const int rows_valid = w.seq.seqlen_q(p) - row_begin;
             const long long row0 = w.head_row0(p, head) + row_begin;
             float* lse = static_cast<float*>(__cvta_shared_to_generic(s.lse(st)));
             float* dsum = static_cast<float*>(__cvta_shared_to_generic(s.d(st)));
@@ -286,7 +296,7 @@ struct Backward {
             const bool ordered = p.dq_semaphore != nullptr;
             int* semaphore = ordered ? Order::semaphore(p, w.batch * p.heads_q + head, m_block) : nullptr;
             if (ordered) {
-                const int rank = Order::rank(Mask::of(p), m_block, w.n_block);
+                const int rank = Order::rank(w.mask(p), m_block, w.n_block);
                 while (atomicAdd(semaphore, 0) != rank) {
                 }
                 __threadfence();
@@ -300,8 +310,9 @@ struct Backward {
 #pragma unroll
                 for (int box = 0; box < kDqColumns / kDqBoxColumns; ++box) {
                     ptx::cp_reduce_async_bulk_tensor_4d_add(&maps.dq_accum, s.dq_box(consumer, t % kStages, box),
-                                                            col0 + box * kDqBoxColumns, m_block * kBlockM, head,
-                                                            w.batch);
+                                                            col0 + box * kDqBoxColumns,
+                                                            w.seq.accum_begin(w.batch) + m_block * kBlockM, head,
+                                                            w.seq.tma_batch(w.batch));
                 }
                 ptx::cp_async_bulk_commit_group();
             }
@@ -493,7 +504,7 @@ struct Backward {
     // Rows [row0, row0 + 64) x columns [col0, col0 + kGradColumns) of a staged tile to `out` (the
     // tile's (batch, K/V head) origin, its first key at row 0 of the tile) in 16-byte pieces, so
     // that a warp writes whole 128-byte row segments; rows past seqlen_k left out.
-    static __device__ __forceinline__ void copy_key_rows(const FagenBwdParams& p, Element* out, long long row_stride,
+    static __device__ __forceinline__ void copy_key_rows(int seqlen_k, Element* out, long long row_stride,
                                                          uint32_t tile, int key0, int row0, int col0, int thread) {
         constexpr int kPieces = kGradColumns / 8;  // 16-byte pieces of a row
         static_assert((64 * kPieces) % 128 == 0);
@@ -503,7 +514,7 @@ struct Backward {
             const uint32_t at = (col / 64) * kBlockN * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16);
             const uint4 piece = *static_cast<const uint4*>(__cvta_shared_to_generic(tile + at));
             const int key = key0 + r;
-            if (key < p.seqlen_k) *reinterpret_cast<uint4*>(out + key * row_stride + col) = piece;
+            if (key < seqlen_k) *reinterpret_cast<uint4*>(out + key * row_stride + col) = piece;
         }
     }
 
@@ -517,9 +528,16 @@ struct Backward {
         stage_key_rows(s.k(), acc_dk, p.softmax_scale, row0 + warp * 16, col0, lane);
         stage_key_rows(s.v(), acc_dv, 1.f, row0 + warp * 16, col0, lane);
         ptx::bar_sync(kKeyGradsStaged + consumer, 128);
-        copy_key_rows(p, static_cast<Element*>(p.dk) + w.batch * p.dk_batch_stride + w.kv_head * p.dk_head_stride,
+        // The batch row read again rather than kept through the walk (varlen: registers the
+        // column split's loop spilled without).
+        const Row seq = Row::of(p, w.batch);
+        copy_key_rows(seq.seqlen_k(p),
+                      static_cast<Element*>(p.dk) + w.batch * p.dk_batch_stride + w.kv_head * p.dk_head_stride +
+                          seq.k_begin() * p.dk_row_stride,
                       p.dk_row_stride, s.k(), w.key_begin(), row0, col0, thread);
-        copy_key_rows(p, static_cast<Element*>(p.dv) + w.batch * p.dv_batch_stride + w.kv_head * p.dv_head_stride,
+        copy_key_rows(seq.seqlen_k(p),
+                      static_cast<Element*>(p.dv) + w.batch * p.dv_batch_stride + w.kv_head * p.dv_head_stride +
+                          seq.k_begin() * p.dv_row_stride,
                       p.dv_row_stride, s.v(), w.key_begin(), row0, col0, thread);
     }
 
@@ -527,9 +545,9 @@ struct Backward {
     template <bool kMayMask>
     static __device__ void consume_keys(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         const int warp = thread / 32, lane = thread % 32;
-        const Mask mask = Mask::of(p);
         const Descriptors desc = descriptors(s, consumer);
         const Walk w = walk_of_tile(p, tile_of_cta());
+        const Mask mask = w.mask(p);
         const int first_key = w.key_begin() + consumer * kConsumerKeys + warp * 16;  // this warp's
 
         float acc_dk[kKVTiles][4];
@@ -561,7 +579,7 @@ struct Backward {
             ptx::fence_accumulators(acc_s);
             uint32_t p_frags[kQuerySteps][4];
             uint32_t dsoftcap[kSoftcapTiles][2];
-            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head), first_key, row_begin, lse, p.scale_log2, lane);
+            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head, mask.seqlen_q, mask.seqlen_k), first_key, row_begin, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, row_begin);
 
             // dS^T, and both P^T and dS^T packed into A fragments one k16 step at a time, so that
@@ -647,8 +665,8 @@ struct Backward {
     static __device__ void consume_columns(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         static_assert(kColumnSplit);
         const int warp = thread / 32, lane = thread % 32;
-        const Mask mask = Mask::of(p);
         const Walk w = walk_of_tile(p, tile_of_cta());
+        const Mask mask = w.mask(p);
         const int first_key = w.key_begin() + warp * 16;  // this warp's 16 keys
         const int own_query = consumer * kScoreQueries;   // this consumer's first query of a step
         const uint32_t own_columns = consumer * (kQBytes / kConsumers);  // its chunks of a Q or dO tile
@@ -698,7 +716,7 @@ struct Backward {
             ptx::wgmma_wait_group<1>();
             ptx::fence_accumulators(acc_s);
             uint32_t dsoftcap[kSoftcapTiles][2];
-            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head), first_key, query_begin, lse, p.scale_log2, lane);
+            probabilities(acc_s, dsoftcap, Score::of(p, w.batch, head, mask.seqlen_q, mask.seqlen_k), first_key, query_begin, lse, p.scale_log2, lane);
             if (needs_mask) algo::zero_masked_probs(mask, acc_s, lane, first_key, query_begin);
             ptx::wgmma_wait_group<0>();
             ptx::fence_accumulators(acc_dp);
@@ -774,7 +792,7 @@ struct Backward {
             // with the mask's branch in every non-causal tile the backward ran at 0.91-0.97x at
             // head dims 64/128 (2026-12-01).
             const Walk w = walk_of_tile(p, tile_of_cta());
-            const bool may_mask = Mask::of(p).tile_may_need_mask(w.key_begin(), kBlockN);
+            const bool may_mask = w.mask(p).tile_may_need_mask(w.key_begin(), kBlockN);
             const int consumer = threadIdx.x / 128 - 1, thread = threadIdx.x % 128;
             if constexpr (kColumnSplit) {
                 may_mask ? consume_columns<true>(p, s, consumer, thread) : consume_columns<false>(p, s, consumer, thread);

@@ -2,7 +2,8 @@
 // ring, wgmma with fp32 accumulators in registers, warp specialization with register
 // reallocation, the softmax of block j overlapped with P_{j-1} V_{j-1} inside each warpgroup,
 // optional ping-pong scheduling between the two consumer warpgroups (FlashAttention-3 paper,
-// sections 3.1 and 3.2), and a persistent grid.
+// sections 3.1 and 3.2), and a persistent grid. Dense or varlen (Config::kVarlen:
+// algo/batch_row.cuh; a varlen map spans the packed rows, batch 1).
 //
 // Roles (warpgroup = 128 threads):
 //   producer  (warpgroup 0): one thread issues every TMA load.
@@ -117,11 +118,11 @@ struct Forward {
     using Scheduler = algo::TileScheduler<Config::kMask, true>;
     using Softmax = algo::OnlineSoftmax<1, Ops, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
 
-    using Work = algo::TileWork;
+    using Work = algo::TileWork<Config::kVarlen>;
 
     static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
                                                      int index) {
-        return algo::tile_work<typename Config::Mask>(prm, sched.tile(index), kBlockM, kBlockN);
+        return algo::tile_work<typename Config::Mask, Config::kVarlen>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
     // ---------------------------------------------------------------- producer
@@ -131,8 +132,8 @@ struct Forward {
                                                   const Work& w, int tile_count) {
         const int q = algo::ring_slot<kQStages>(tile_count);
         ptx::mbarrier_wait_parity(s.q_empty(q), algo::ring_parity<kQStages>(tile_count) ^ 1);
-        algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.row_begin,
-                                     w.head, w.batch);
+        algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.seq().q_begin() + w.row_begin,
+                                     w.head, w.seq().tma_batch(w.batch));
     }
 
     // K and V of the j-th visited key block of a tile into ring position `ring` (slot
@@ -141,13 +142,14 @@ struct Forward {
                                                    const Work& w, int j, int ring) {
         const int slot = algo::ring_slot<kStages>(ring);
         const uint32_t empty_parity = algo::ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
-        const int key_begin = w.n_block(j) * kBlockN;
+        const int key_begin = w.seq().k_begin() + w.n_block(j) * kBlockN;
+        const int batch = w.seq().tma_batch(w.batch);
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
         algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
-                                     w.kv_head, w.batch);
+                                     w.kv_head, batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
         algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
-                                     w.kv_head, w.batch);
+                                     w.kv_head, batch);
     }
 
     // ---------------------------------------------------------------- consumer MMAs
@@ -238,8 +240,10 @@ struct Forward {
         const int warp = thread / 32;  // within the warpgroup
         const int lane = thread % 32;
         const int warp_row = consumer * 64 + warp * 16;  // first row of this warp in the block
-        const auto mask = Config::Mask::of(prm, w.batch);
-        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
+        const auto mask = Config::Mask::of(prm, w.batch, w.seq().seqlen_q(prm), w.seq().seqlen_k(prm));
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head,
+                                                                                 w.seq().seqlen_q(prm),
+                                                                                 w.seq().seqlen_k(prm));
         const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
         auto slot_of = [&](int j) { return algo::ring_slot<kStages>(ring_base + j); };
@@ -377,8 +381,8 @@ struct Forward {
                                                         const float (&row_lse)[1][2], int warp_row,
                                                         int lane) {
         static_assert(kOTiles % 2 == 0, "stores pair up n8 tiles");
-        const int rows_valid = prm.seqlen_q - w.row_begin;
-        Element* o = algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin);
+        const int rows_valid = w.seq().seqlen_q(prm) - w.row_begin;
+        Element* o = algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         const bool odd = lane & 1;
         const int quad_lane = lane & 3;
         // Column within the 16 of a tile pair: lanes 0, 2 -> 0, 4; lanes 1, 3 -> 8, 12.
@@ -398,7 +402,7 @@ struct Forward {
                 }
             }
         }
-        float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
+        float* lse = algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         if (lse != nullptr && lane % 4 == 0) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -412,8 +416,9 @@ struct Forward {
     // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
         algo::write_empty_rows<Element, kBlockM, kHeadDimV, kConsumerThreads>(
-            algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
-            algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin, thread,
+            algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
+            algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), w.seq().seqlen_q(prm) - w.row_begin,
+            thread,
             Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
     }
 
@@ -503,7 +508,8 @@ struct Forward {
             }
             ptx::wgmma_wait_group<0>();  // the Q K^T issued after the last tile
         }
-        if constexpr (Config::kMask != algo::MaskKind::kFull) {
+        // Varlen: a batch row without keys (cu_seqlens_k) has rows without keys under any mask.
+        if constexpr (Config::kMask != algo::MaskKind::kFull || Config::kVarlen) {
             for (int i = sched.first(); i < sched.end(); i = sched.next(i)) {
                 const Work empty = work_for(prm, sched, i);
                 if (empty.n_blocks <= 0) write_empty_rows(prm, empty, consumer * 128 + thread);

@@ -145,7 +145,7 @@ struct Forward {
     };
     static_assert(Config::kSmemControlBytes == 8 * (kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
 
-    using Work = algo::TileWork;
+    using Work = algo::TileWork<>;
 
     static __device__ __forceinline__ float load_shared_f32(uint32_t addr) {
         return *static_cast<const float*>(__cvta_shared_to_generic(addr));

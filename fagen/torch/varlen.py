@@ -1,0 +1,245 @@
+"""flash_attn_varlen_func: flash-attn's call over sequences of different lengths packed into one
+tensor, on fagen's varlen-layout kernels (contract.LAYOUTS), forward and backward; with a block
+table, vLLM's call over a paged KV cache (fagen.torch.kvcache).
+
+No host synchronisation: the grid follows max_seqlen_q / max_seqlen_k, each sequence's lengths
+are read on the device from cu_seqlens, and tiles past a sequence's end do no work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import contract
+from ..runtime import call as runtime_call
+from ..runtime import driver
+from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, get_bundle
+
+_NAME = "fagen.flash_attn_varlen_func"
+
+
+def _fail(message: str, error: type[Exception] = ValueError) -> Exception:
+    return error(f"{_NAME}: {message}")
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """`t` (total, heads, head_dim) with a contiguous last dimension, 16-byte aligned rows and
+    strides in multiples of 8 elements (params.h); a copy when it has not."""
+    if t.dim() != 3:
+        raise _fail(f"{name} must be 3-D (total_tokens, nheads, head_dim), got shape {tuple(t.shape)}")
+    ready = (t.stride(2) == 1 and t.data_ptr() % contract.ALIGNMENT_BYTES == 0
+             and all(s % contract.STRIDE_MULTIPLE == 0 and s > 0 for s in t.stride()[:2]))
+    return t if ready else t.contiguous()
+
+
+def _tensor(t: torch.Tensor) -> runtime_call.Tensor:
+    return runtime_call.Tensor(t.data_ptr(), 0, t.stride(0), t.stride(1))
+
+
+def _offsets(t, name: str, device, batch: Optional[int] = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device or t.dim() != 1:
+        raise _fail(f"{name} must be a 1-D int32 tensor on {device}", TypeError)
+    if batch is not None and t.numel() != batch:
+        raise _fail(f"{name} has {t.numel()} entries, cu_seqlens_q {batch}: one per sequence (+ 1)")
+    return t.contiguous()
+
+
+def _problem(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, window, softcap, alibi, sinks):
+    head_dim, head_dim_v = q.shape[2], v.shape[2]
+    return runtime_call.Problem(
+        _DTYPE_NAMES[q.dtype], causal, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], head_dim,
+        tuple(window), contract.Score(softcap, alibi, sinks), None if head_dim_v == head_dim else head_dim_v,
+        layout="varlen")
+
+
+def _check(q, k, v, batch, alibi_slopes, learnable_sink) -> None:
+    if q.dtype not in _DTYPE_NAMES:
+        raise _fail(f"q has dtype {q.dtype}; supported: float16, bfloat16", TypeError)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _fail(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
+    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+        raise _fail(f"q, k, v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != q.shape[2]:
+        raise _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (total_k, nheads_kv), and k "
+                    f"with q {tuple(q.shape)} on head_dim")
+    heads = q.shape[1]
+    if alibi_slopes is not None and alibi_slopes.shape not in ((heads,), (batch, heads)):
+        raise _fail(f"alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({batch}, {heads})")
+    if learnable_sink is not None and learnable_sink.shape != (heads,):
+        raise _fail(f"learnable_sink must be (nheads,) = ({heads},)")
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+             window, softmax_scale, softcap, alibi_slopes, learnable_sink, bundle):
+    batch = cu_seqlens_q.numel() - 1
+    problem = _problem(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                       alibi_slopes is not None, learnable_sink is not None)
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or batch == 0:
+        return out, lse
+    if max_seqlen_k == 0:  # no keys anywhere: the result of a row that sees nothing
+        out.zero_()
+        lse.fill_(-math.inf) if learnable_sink is None else lse.copy_(
+            learnable_sink.to(torch.float32).view(-1, 1).expand_as(lse))
+        return out, lse
+    kernels = get_bundle(bundle)
+    device = q.device.index
+    arrays, _kept = _score_arrays(alibi_slopes, learnable_sink)
+    varlen = runtime_call.Varlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), q.shape[0], k.shape[0],
+                                 0 if seqused_k is None else seqused_k.data_ptr())
+    with driver.primary_context(device):
+        prepared = runtime_call.prepare(kernels, problem, _tensor(q), _tensor(k), _tensor(v), _tensor(out),
+                                        softmax_scale, device, score_tensors=arrays, varlen=varlen)
+        prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+              window, softmax_scale, softcap, alibi_slopes, learnable_sink, deterministic, bundle):
+    batch = cu_seqlens_q.numel() - 1
+    # Zeros: rows outside every sequence (past cu_seqlens[-1]) get no gradient from the kernels.
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsink = torch.zeros(0 if learnable_sink is None else q.shape[1], dtype=torch.float32, device=q.device)
+    if max_seqlen_k == 0 or max_seqlen_q == 0 or batch == 0 or q.numel() == 0:
+        return dq, dk, dv, dsink
+    problem = _problem(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                       alibi_slopes is not None, learnable_sink is not None)
+    device = q.device.index
+    kernels = get_bundle(bundle)
+    entry = runtime_call.select_backward(kernels, problem, device)
+    dout = _rows(dout, "dout")
+    with driver.primary_context(device):
+        sizes = runtime_call.backward_workspace(entry, problem, q.shape[0])
+        workspace = torch.empty(sizes.floats, dtype=torch.float32, device=q.device)
+        semaphores = (torch.zeros(sizes.semaphores, dtype=torch.int32, device=q.device)
+                      if deterministic else None)
+        tensors = runtime_call.BackwardTensors(
+            q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
+            dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
+        arrays, _kept = _score_arrays(alibi_slopes, learnable_sink)
+        if learnable_sink is not None:
+            arrays = runtime_call.ScoreTensors(arrays.alibi_slopes, arrays.alibi_batch_stride, arrays.sinks,
+                                               dsink.data_ptr())
+        varlen = runtime_call.Varlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), q.shape[0], k.shape[0])
+        runtime_call.attention_backward(
+            kernels, problem, tensors, workspace=workspace.data_ptr(),
+            semaphores=0 if semaphores is None else semaphores.data_ptr(), softmax_scale=softmax_scale,
+            stream=_current_stream(device), device=device, entry=entry, score_tensors=arrays, varlen=varlen)
+    return dq, dk, dv, dsink
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, *options):
+        max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, softcap, deterministic, bundle = options
+        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, causal,
+                            window, softmax_scale, softcap, alibi_slopes, learnable_sink, bundle)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, softcap, deterministic, bundle = ctx.options
+        dq, dk, dv, dsink = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal, window, softmax_scale, softcap, alibi_slopes,
+                                      learnable_sink, deterministic, bundle)
+        dsink = None if learnable_sink is None else dsink.to(learnable_sink.dtype)
+        grads = (dq, dk, dv, None, dsink)
+        grads = tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:5]))
+        return (*grads, None, None, *(None,) * len(ctx.options))
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    *,
+    seqused_k: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    bundle=None,
+):
+    """Attention over a batch of sequences of different lengths, packed (flash-attn's names and
+    semantics): q (total_q, nheads_q, d), k (total_k, nheads_kv, d), v (total_k, nheads_kv, d_v);
+    cu_seqlens_q, cu_seqlens_k int32 (batch + 1) offsets of each sequence's tokens on q's
+    device; max_seqlen_q / max_seqlen_k at least each sequence's length (they size the grid:
+    exact values cost nothing, larger ones idle CTAs). Each sequence attends within itself,
+    `causal` aligned to its last key (bottom-right), `window_size`, `softcap`, `alibi_slopes`,
+    `learnable_sink` and `deterministic` as in fagen.flash_attn_func; differentiable in q, k, v
+    (and the sink). seqused_k (int32 (batch,), forward only) caps each sequence's keys.
+
+    With block_table (vLLM's call): k and v are a paged KV cache (num_pages, page_size,
+    nheads_kv, d), cu_seqlens_k must be None and seqused_k gives each sequence's cached keys;
+    it runs fagen.flash_attn_with_kvcache (no gradient).
+
+    Returns out (total_q, nheads_q, d_v) and, with return_lse, the natural-log LSE (nheads_q,
+    total_q) in float32. dropout_p and return_attn_probs only at their off values.
+    """
+    if dropout_p != 0.0:
+        raise _fail("dropout_p is not supported (fagen's kernels have no dropout)", NotImplementedError)
+    if return_attn_probs:
+        raise _fail("return_attn_probs is not supported; use return_lse=True for the log-sum-exp",
+                    NotImplementedError)
+    if not isinstance(causal, bool):
+        raise _fail(f"causal must be True or False, got {causal!r}", TypeError)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _fail(f"{name} must be an int >= 0, got {value!r}", TypeError)
+    window = tuple(window_size)
+    if len(window) != 2 or min(window) < -1:
+        raise _fail(f"window_size={window_size!r}: (left, right), each >= 0 or -1 for unbounded")
+    cu_seqlens_q = _offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
+    if block_table is not None:
+        if cu_seqlens_k is not None:
+            raise _fail("with block_table, k and v are a paged cache: give seqused_k (each sequence's "
+                        "cached keys), not cu_seqlens_k")
+        from .kvcache import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=seqused_k, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal, window_size=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, return_lse=return_lse,
+            bundle=bundle)
+    if cu_seqlens_k is None:
+        raise _fail("cu_seqlens_k is needed without a block_table")
+    batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_k = _offsets(cu_seqlens_k, "cu_seqlens_k", q.device, batch + 1)
+    if seqused_k is not None:
+        seqused_k = _offsets(seqused_k, "seqused_k", q.device, batch)
+    q, k, v = _rows(q, "q"), _rows(k, "k"), _rows(v, "v")
+    _check(q, k, v, batch, alibi_slopes, learnable_sink)
+    options = (max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, float(softcap), deterministic,
+               bundle)
+    wants_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (learnable_sink is not None and learnable_sink.requires_grad))
+    if wants_grad:
+        if seqused_k is not None:
+            raise _fail("seqused_k has no backward (give each sequence's keys through cu_seqlens_k)",
+                        NotImplementedError)
+        out, lse = _VarlenAttention.apply(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                                          *options)
+    else:
+        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                            window, softmax_scale, float(softcap), alibi_slopes, learnable_sink, bundle)
+    return (out, lse) if return_lse else out
