@@ -12,9 +12,11 @@ greedily for four prompts of different lengths (5, 17, 33 and 60 random token id
 - fagen: a manual loop over the same modules, layer by layer, with K/V in a paged cache (pages of
   --page-size keys from one pool, handed to the rows in a random order through a block table) and
   attention by fagen.torch.flash_attn_with_kvcache, which appends each step's K/V at the rows'
-  lengths. Each prompt is prefilled on its own (its row of the block table); then the rows decode
-  together, one token per row per step: the step is captured once in a CUDA graph and replayed,
-  the next tokens and the cache lengths updated inside the graph, so nothing waits on the host.
+  lengths. The prompts are prefilled together, packed into one batch of different lengths
+  (fagen.torch.flash_attn_varlen_func, each prompt's K/V written into its pages); then the rows
+  decode together, one token per row per step: the step is captured once in a CUDA graph and
+  replayed, the next tokens and the cache lengths updated inside the graph, so nothing waits on
+  the host.
 
 The check: at every step, fagen's token must be the argmax of the logits the model's own forward
 (eager attention) gives over the prompt and fagen's earlier tokens, or lie within NEAR_TIE_ULPS
@@ -36,6 +38,7 @@ fagen's default bundle.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -95,10 +98,11 @@ def gaps_to_best(model, prompts: list[torch.Tensor], generated: torch.Tensor) ->
     return torch.stack(rows)
 
 
-def forward(model, token_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+def forward(model, token_ids: torch.Tensor, positions: torch.Tensor, attend, last=None) -> torch.Tensor:
     """Logits (batch, vocab) of each row's last token: the model's decoder layers (LlamaDecoderLayer's
     order of operations) with attention by attend(layer, q, k, v), q (batch, seqlen, nheads_q, d) and
-    k, v (batch, seqlen, nheads_kv, d), which also keeps k and v in its cache."""
+    k, v (batch, seqlen, nheads_kv, d), which also keeps k and v in its cache. `last`: the tokens
+    (of batch row 0) whose logits to return instead, for a packed batch."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     hidden = model.model.embed_tokens(token_ids)
@@ -111,7 +115,7 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor, attend) -> 
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         hidden = hidden + attn.o_proj(attend(index, q, k, v).flatten(2))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(model.model.norm(hidden[:, -1]))
+    return model.lm_head(model.model.norm(hidden[:, -1] if last is None else hidden[0, last]))
 
 
 class PagedCache:
@@ -127,7 +131,29 @@ class PagedCache:
         order = torch.randperm(shape[0], generator=generator)
         self.table = order.view(batch, per_row).to(device=device, dtype=torch.int32)
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.page_size = page_size
         self.bundle = bundle
+
+    def prefill(self, model, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """The prompts packed into one batch of sequences (varlen, as a server prefills): attention
+        over each prompt's own tokens, each token's K/V written into its row's page; the first new
+        token of each row."""
+        from fagen.torch import flash_attn_varlen_func
+
+        device, lengths = self.lens.device, [p.numel() for p in prompts]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device))
+        pages, slots = self.table[rows, positions // self.page_size].long(), positions % self.page_size
+
+        def attend(layer, q, k, v):
+            self.k[layer][pages, slots], self.v[layer][pages, slots] = k[0], v[0]
+            return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max(lengths), max(lengths), causal=True,
+                                          bundle=self.bundle)[None]
+
+        logits = forward(model, torch.cat(prompts)[None], positions[None], attend, last=cu[1:].long() - 1)
+        self.lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        return logits.argmax(-1)
 
     def attention(self, rows: slice):
         """attend() for these rows: appends k, v at their lengths (which the caller then advances)."""
@@ -147,6 +173,15 @@ class ContiguousCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def prefill(self, model, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """Each prompt through the model on its own row of the cache; the first new token of each row."""
+        first = []
+        for row, prompt in enumerate(prompts):
+            positions = torch.arange(prompt.numel(), device=prompt.device)[None]
+            first.append(forward(model, prompt[None], positions, self.attention(slice(row, row + 1))).argmax(-1))
+            self.lens[row] = prompt.numel()
+        return torch.cat(first)
 
     def attention(self, rows: slice):
         lens = self.lens[rows]
@@ -173,16 +208,6 @@ class ContiguousCache:
         return attend
 
 
-def prefill(model, prompts: list[torch.Tensor], cache) -> torch.Tensor:
-    """Each prompt through the model on its own row of the cache; the first new token of each row."""
-    first = []
-    for row, prompt in enumerate(prompts):
-        positions = torch.arange(prompt.numel(), device=prompt.device)[None]
-        first.append(forward(model, prompt[None], positions, cache.attention(slice(row, row + 1))).argmax(-1))
-        cache.lens[row] = prompt.numel()
-    return torch.cat(first)
-
-
 def capture(step, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
     """step() captured in a CUDA graph after a warm-up run on a side stream (torch's recipe: it loads
     the kernels and settles the allocator outside the capture). The warm-up advances the `state`
@@ -203,9 +228,9 @@ def capture(step, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
 
 
 def generate(model, prompts: list[torch.Tensor], new_tokens: int, cache) -> tuple[torch.Tensor, float]:
-    """(batch, new_tokens) greedy tokens and the median decode step time in ms: prefill row by row,
+    """(batch, new_tokens) greedy tokens and the median decode step time in ms: the cache's prefill,
     then all rows together, one token each per replay of the captured step."""
-    tokens = prefill(model, prompts, cache)  # the step's input and, after a replay, its output
+    tokens = cache.prefill(model, prompts)  # the step's input and, after a replay, its output
     attend = cache.attention(slice(None))
 
     def step():

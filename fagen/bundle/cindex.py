@@ -36,7 +36,7 @@ def render_index_header(manifest: Manifest) -> str:
             str(k.launch.threads), str(k.launch.block_m), str(k.launch.block_n), str(k.launch.dynamic_smem),
             str(k.launch.tma_q_rows), str(k.launch.tma_kv_rows), str(GRIDS.index(k.launch.grid)),
             str(k.launch.workspace_floats_per_row),
-            str(k.fa_version), str(k.max_seqlen_k or 0),
+            str(k.fa_version), str(k.max_seqlen_k or 0), str(k.launch.min_split_keys),
         ]
         rows.append("    {" + ", ".join(fields) + "},")
     return "\n".join([
@@ -82,6 +82,7 @@ def render_index_header(manifest: Manifest) -> str:
         "    int fa_version;            /* selection prefers the highest that runs on the device */",
         "    int max_seqlen_k;          /* > 0: preferred for calls with at most this many keys;",
         "                                  0: any length (fagen.hpp: select) */",
+        "    int min_split_keys;        /* a SPLITS grid: the fewest keys worth a split (split_count) */",
         "} FagenKernelInfo;",
         "",
         "static const FagenKernelInfo fagen_kernels[FAGEN_KERNEL_COUNT] = {",

@@ -97,6 +97,19 @@ def _check_cache(problem: Problem, cache: KvCache, entry: KernelEntry) -> None:
         raise AttentionError(f"total_q={cache.total_q}: packed q's row count")
 
 
+def split_count_for(bundle: Bundle, problem: Problem, device: int = 0,
+                    entry: KernelEntry | None = None) -> int:
+    """The split count a paged-layout call of `problem` gets with num_splits=0: from its shapes
+    and the device's SMs alone (contract.split_count), so one decided before a CUDA graph's
+    capture holds for every replay (flash-attn's get_scheduler_metadata)."""
+    check_problem(problem)
+    entry = entry or bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k)
+    one_split = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
+                            problem.seqlen_k, problem.heads_kv)
+    return contract.split_count(one_split[1] * one_split[2], problem.seqlen_k,
+                                driver.multiprocessor_count(device), entry.launch.min_split_keys)
+
+
 def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     cache: KvCache, softmax_scale: float | None = None, device: int = 0,
                     num_splits: int = 0, entry: KernelEntry | None = None,
@@ -127,8 +140,7 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
         raise AttentionError(f"batch={problem.batch} and the query blocks x nheads_kv ({one_split[1]}) "
                              f"must each be at most {MAX_GRID_YZ} (CUDA grid limit)")
     if num_splits == 0:
-        num_splits = contract.split_count(one_split[1] * one_split[2], problem.seqlen_k,
-                                          driver.multiprocessor_count(device), entry.launch.min_split_keys)
+        num_splits = split_count_for(bundle, problem, device, entry)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv, num_splits)
     params = fwd_params(problem, q, k, v, out, scale, score_tensors)

@@ -1,6 +1,6 @@
 """Stage 6: the torch adapter (flash-attn's calling convention on fagen bundles): the forward
 (adapter.py), its backward and autograd (backward.py), the public call (api.py) and the call
-over a KV cache (kvcache.py) and over packed sequences (varlen.py)."""
+over a KV cache (kvcache.py) and over packed sequences (varlen.py), and the merge of two partial results (merge.py)."""
 
 try:
     import torch  # noqa: F401
@@ -13,10 +13,12 @@ from ..runtime import Bundle, BundleError, KernelNotFound
 from .adapter import bundle_path, flash_attn_fwd, get_bundle, kernel_key
 from .api import flash_attn_func
 from .backward import flash_attn_bwd
-from .kvcache import flash_attn_with_kvcache
+from .kvcache import flash_attn_with_kvcache, get_scheduler_metadata
+from .merge import merge_attention_states
 from .varlen import flash_attn_varlen_func
 
 __all__ = [
     "Bundle", "BundleError", "KernelNotFound", "bundle_path", "flash_attn_bwd", "flash_attn_func",
-    "flash_attn_fwd", "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_bundle", "kernel_key",
+    "flash_attn_fwd", "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_bundle",
+    "get_scheduler_metadata", "kernel_key", "merge_attention_states",
 ]

@@ -6,11 +6,12 @@ decoding step can be captured in a CUDA graph and replayed with new cache conten
 block tables (the split count follows the cache's capacity, not its lengths).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
+import os
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract
 from ..runtime import driver
@@ -95,6 +96,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     num_splits: int = 0,
+    scheduler_metadata: Optional[torch.Tensor] = None,
     return_softmax_lse: bool = False,
     return_lse: bool = False,
     bundle=None,
@@ -113,7 +115,8 @@ def flash_attn_with_kvcache(
     softcap, alibi_slopes and learnable_sink as in fagen.flash_attn_func, aligned to each row's
     last key (bottom-right: new token i of n sees keys up to cache_len - n + i). num_splits: 0
     chooses how many CTAs share one row's keys from the shapes and the GPU (split-KV), n forces
-    n. Returns out (like q, with v's head dim) and, with return_softmax_lse (or return_lse), the
+    n; scheduler_metadata (get_scheduler_metadata's, made before a graph's capture) gives it
+    when num_splits is 0. Returns out (like q, with v's head dim) and, with return_softmax_lse (or return_lse), the
     natural-log LSE (batch, nheads_q, seqlen_q), packed: (nheads_q, total_q). No gradient.
     """
     for name, value in flash_attn_options.items():
@@ -134,9 +137,9 @@ def flash_attn_with_kvcache(
     if q.device.type != "cuda":
         raise _fail(f"the tensors must be on a CUDA device, got {q.device}")
     packed = cu_seqlens_q is not None
-    q = _rows_ready(q, "q", 3 if packed else 4)
-    k_cache = _rows_ready(k_cache, "k_cache", 4)
-    v_cache = _rows_ready(v_cache, "v_cache", 4)
+    for name, t, dims in (("q", q, 3 if packed else 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if t.dim() != dims:
+            raise _fail(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise _fail(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree but "
                     "for the head dim")
@@ -184,27 +187,60 @@ def flash_attn_with_kvcache(
                         f"{tuple(v.shape)} (and q dense)")
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
         seqused = cache_seqlens + k.shape[1]
+    if scheduler_metadata is not None and num_splits == 0:
+        num_splits = _metadata_splits(scheduler_metadata)
     if return_lse and not return_softmax_lse:
         return_softmax_lse = True
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise _fail(f"softcap must be a number, got {softcap!r}", TypeError)
 
-    head_dim_v = v_cache.shape[3]
-    out = q.new_empty((*q.shape[:-1], head_dim_v))
-    lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return (out, lse) if return_softmax_lse else out
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise _fail(f"num_splits must be an int, got {num_splits!r}", TypeError)
     try:
-        problem = runtime_call.Problem(
-            _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, heads_kv, head_dim,
-            tuple(window_size), contract.Score(float(softcap), alibi_slopes is not None, learnable_sink is not None),
-            None if head_dim_v == head_dim else head_dim_v, layout="paged")
+        contract.Score(float(softcap))
     except contract.ScoreError as error:
         raise _fail(str(error)) from None
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+    if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
+        get_bundle(bundle)  # a loaded Bundle: its path, which the op can carry
+        bundle = str(bundle.path)
+    elif bundle is not None:
+        bundle = os.fspath(bundle)
+    arguments = (q, k_cache, v_cache, seqused, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
+                 seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale,
+                 float(softcap), num_splits, bundle)
+    eager = (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+             and all(t is None or type(t) is torch.Tensor for t in arguments[:8]))
+    out, lse = (_attend if eager else flash_attn_kvcache)(*arguments)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: Optional[torch.Tensor],
+            block_table: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+            alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], seqlen_q: int,
+            capacity: int, causal: bool, window_left: int, window_right: int, softmax_scale: Optional[float],
+            softcap: float, num_splits: int, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of the checked call (the custom op fagen::flash_attn_kvcache): the kernels
+    over the cache as it is (appends done)."""
+    packed = cu_seqlens_q is not None
+    q = _rows_ready(q, "q", 3 if packed else 4)
+    k_cache = _rows_ready(k_cache, "k_cache", 4)
+    v_cache = _rows_ready(v_cache, "v_cache", 4)
+    batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
+    heads_q, head_dim = q.shape[-2:]
+    head_dim_v = v_cache.shape[3]
+    out = q.new_empty((*q.shape[:-1], head_dim_v))
+    lse = torch.empty(_lse_shape(q, packed, batch), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    problem = runtime_call.Problem(
+        _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
+        (window_left, window_right), contract.Score(softcap, alibi_slopes is not None, learnable_sink is not None),
+        None if head_dim_v == head_dim else head_dim_v, layout="paged")
     arrays, kept = _score_arrays(alibi_slopes, learnable_sink, None)
     cache = runtime_kvcache.KvCache(
-        seqused_k=0 if seqused is None else seqused.data_ptr(),
+        seqused_k=0 if seqused_k is None else seqused_k.data_ptr(),
         block_table=0 if block_table is None else block_table.data_ptr(),
         block_table_batch_stride=0 if block_table is None else block_table.stride(0),
         page_size=k_cache.shape[1] if block_table is not None else 0,
@@ -221,4 +257,69 @@ def flash_attn_with_kvcache(
         prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device),
                          workspace.data_ptr() if prepared.workspace.floats else 0)
     del kept, workspace  # the caching allocator keeps their memory for this stream's work
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
+
+
+def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
+    return (q.shape[-2], q.shape[0]) if packed else (batch, q.shape[2], q.shape[1])
+
+
+flash_attn_kvcache = torch.library.custom_op("fagen::flash_attn_kvcache", mutates_args=())(_attend)
+
+
+@flash_attn_kvcache.register_fake
+def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
+                 capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle):
+    packed = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    return (q.new_empty((*q.shape[:-1], v_cache.shape[3])),
+            q.new_empty(_lse_shape(q, packed, batch), dtype=torch.float32))
+
+
+def _metadata_splits(metadata) -> int:
+    if not isinstance(metadata, torch.Tensor) or metadata.device.type != "cpu" or metadata.dtype != torch.int32 \
+            or metadata.numel() != 1:
+        raise _fail("scheduler_metadata must be get_scheduler_metadata's result (a CPU int32 tensor of one "
+                    "split count; reading a device tensor would synchronise the host)", TypeError)
+    return int(metadata[0])
+
+
+def get_scheduler_metadata(
+    batch_size: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    headdim: int,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    qkv_dtype: torch.dtype = torch.bfloat16,
+    headdim_v: Optional[int] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    page_size: Optional[int] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    has_softcap: bool = False,
+    num_splits: int = 0,
+    *,
+    device=None,
+    bundle=None,
+) -> torch.Tensor:
+    """flash-attn's call that a server makes once per batch shape, before capturing a decode
+    step: the split count flash_attn_with_kvcache(..., scheduler_metadata=this) then uses, as a
+    CPU int32 tensor of one element. max_seqlen_k: the keys a row may reach (the cache's
+    capacity per row, block_table.shape[1] * page_size for a paged one). fagen's choice depends
+    on these shapes and the GPU alone (never on cache_seqlens' values), so the count holds for
+    every replay; num_splits > 0 is returned as given."""
+    del cache_seqlens, cu_seqlens_q, page_size  # the count does not depend on them
+    if qkv_dtype not in _DTYPE_NAMES:
+        raise _fail(f"qkv_dtype {qkv_dtype}; supported: float16, bfloat16", TypeError)
+    if num_splits:
+        return torch.tensor([num_splits], dtype=torch.int32)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    problem = runtime_call.Problem(
+        _DTYPE_NAMES[qkv_dtype], causal, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+        tuple(window_size), contract.Score(1.0 if has_softcap else 0.0),
+        None if headdim_v in (None, headdim) else headdim_v, layout="paged")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    splits = runtime_kvcache.split_count_for(get_bundle(bundle), problem, index)
+    return torch.tensor([splits], dtype=torch.int32)

@@ -1,17 +1,20 @@
 """flash_attn_varlen_func: flash-attn's call over sequences of different lengths packed into one
 tensor, on fagen's varlen-layout kernels (contract.LAYOUTS), forward and backward; with a block
-table, vLLM's call over a paged KV cache (fagen.torch.kvcache).
+table, vLLM's call over a paged KV cache (fagen.torch.kvcache). Eager calls run the kernels
+directly (an autograd.Function when a gradient is recorded); traced ones (torch.compile, fake or
+other dispatch modes) go through the custom ops `fagen::flash_attn_varlen_fwd` / `_bwd`.
 
 No host synchronisation: the grid follows max_seqlen_q / max_seqlen_k, each sequence's lengths
 are read on the device from cu_seqlens, and tiles past a sequence's end do no work.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.library reads the ops' annotations as objects.
 import math
+import os
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract
 from ..runtime import call as runtime_call
@@ -75,6 +78,7 @@ def _check(q, k, v, batch, alibi_slopes, learnable_sink) -> None:
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
              window, softmax_scale, softcap, alibi_slopes, learnable_sink, bundle):
     batch = cu_seqlens_q.numel() - 1
+    q, k, v = _rows(q, "q"), _rows(k, "k"), _rows(v, "v")
     problem = _problem(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                        alibi_slopes is not None, learnable_sink is not None)
     out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
@@ -101,6 +105,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
 def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               window, softmax_scale, softcap, alibi_slopes, learnable_sink, deterministic, bundle):
     batch = cu_seqlens_q.numel() - 1
+    q, k, v, out = _rows(q, "q"), _rows(k, "k"), _rows(v, "v"), _rows(out, "out")
     # Zeros: rows outside every sequence (past cu_seqlens[-1]) get no gradient from the kernels.
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dsink = torch.zeros(0 if learnable_sink is None else q.shape[1], dtype=torch.float32, device=q.device)
@@ -132,28 +137,92 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return dq, dk, dv, dsink
 
 
+def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                learnable_sink: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                window_left: int, window_right: int, softmax_scale: Optional[float], softcap: float,
+                deterministic: bool, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse; `deterministic` is the backward's, saved for it by the op's autograd."""
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                    (window_left, window_right), softmax_scale, softcap, alibi_slopes, learnable_sink, bundle)
+
+
+def _op_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                 alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], max_seqlen_q: int,
+                 max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
+                 softmax_scale: Optional[float], softcap: float, deterministic: bool,
+                 bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and dL/dsink (fp32 (nheads,); empty without sinks)."""
+    return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     (window_left, window_right), softmax_scale, softcap, alibi_slopes, learnable_sink, deterministic,
+                     bundle)
+
+
+flash_attn_varlen_fwd = torch.library.custom_op("fagen::flash_attn_varlen_fwd", mutates_args=())(_op_forward)
+flash_attn_varlen_bwd = torch.library.custom_op("fagen::flash_attn_varlen_bwd", mutates_args=())(_op_backward)
+
+
+@flash_attn_varlen_fwd.register_fake
+def _op_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
+                     max_seqlen_k, causal, window_left, window_right, softmax_scale, softcap, deterministic, bundle):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@flash_attn_varlen_bwd.register_fake
+def _op_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, *options):
+    dsink = q.new_empty(0 if learnable_sink is None else q.shape[1], dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
+
+
+def _needed(ctx, grads, learnable_sink) -> tuple:
+    """dq, dk, dv, dsink in the sink's dtype: those autograd needs (q, k, v are inputs 0-2, the
+    sink input 7 of the op, 4 of the eager Function)."""
+    dq, dk, dv, dsink = grads
+    return dq, dk, dv, None if learnable_sink is None else dsink.to(learnable_sink.dtype)
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, _seqused_k, alibi_slopes, learnable_sink, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
+    ctx.options = tuple(options)
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_autograd(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+    grads = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
+                                  *ctx.options)
+    dq, dk, dv, dsink = _needed(ctx, grads, learnable_sink)
+    needed = ctx.needs_input_grad
+    return (dq if needed[0] else None, dk if needed[1] else None, dv if needed[2] else None, None, None, None, None,
+            dsink if needed[7] else None, *(None,) * len(ctx.options))
+
+
+flash_attn_varlen_fwd.register_autograd(_op_autograd, setup_context=_op_setup_context)
+
+
 class _VarlenAttention(torch.autograd.Function):
+    """The eager path's autograd: the op's kernels without the dispatcher."""
+
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, *options):
-        max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, softcap, deterministic, bundle = options
-        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, causal,
-                            window, softmax_scale, softcap, alibi_slopes, learnable_sink, bundle)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink)
-        ctx.options = options
-        ctx.mark_non_differentiable(lse)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, *options):
+        out, lse = _op_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, *options)
+        _op_setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
+                                *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
-        max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, softcap, deterministic, bundle = ctx.options
-        dq, dk, dv, dsink = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, causal, window, softmax_scale, softcap, alibi_slopes,
-                                      learnable_sink, deterministic, bundle)
-        dsink = None if learnable_sink is None else dsink.to(learnable_sink.dtype)
-        grads = (dq, dk, dv, None, dsink)
-        grads = tuple(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:5]))
-        return (*grads, None, None, *(None,) * len(ctx.options))
+        grads = _op_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
+                             *ctx.options)
+        dq, dk, dv, dsink = _needed(ctx, grads, learnable_sink)
+        needed = ctx.needs_input_grad
+        return (dq if needed[0] else None, dk if needed[1] else None, dv if needed[2] else None, None, None, None,
+                None, dsink if needed[7] else None, *(None,) * len(ctx.options))
 
 
 def flash_attn_varlen_func(
@@ -226,20 +295,33 @@ def flash_attn_varlen_func(
     cu_seqlens_k = _offsets(cu_seqlens_k, "cu_seqlens_k", q.device, batch + 1)
     if seqused_k is not None:
         seqused_k = _offsets(seqused_k, "seqused_k", q.device, batch)
-    q, k, v = _rows(q, "q"), _rows(k, "k"), _rows(v, "v")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise _fail(f"{name} must be 3-D (total_tokens, nheads, head_dim), got shape {tuple(t.shape)}")
     _check(q, k, v, batch, alibi_slopes, learnable_sink)
-    options = (max_seqlen_q, max_seqlen_k, causal, window, softmax_scale, float(softcap), deterministic,
-               bundle)
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+    if not isinstance(deterministic, bool):
+        raise _fail(f"deterministic must be True or False, got {deterministic!r}", TypeError)
+    if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
+        get_bundle(bundle)  # a loaded Bundle: its path, which the op can carry
+        bundle = str(bundle.path)
+    elif bundle is not None:
+        bundle = os.fspath(bundle)
+    arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
+                 max_seqlen_k, causal, window[0], window[1], softmax_scale, float(softcap), deterministic, bundle)
     wants_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or (learnable_sink is not None and learnable_sink.requires_grad))
-    if wants_grad:
-        if seqused_k is not None:
-            raise _fail("seqused_k has no backward (give each sequence's keys through cu_seqlens_k)",
-                        NotImplementedError)
-        out, lse = _VarlenAttention.apply(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-                                          *options)
+    if wants_grad and seqused_k is not None:
+        raise _fail("seqused_k has no backward (give each sequence's keys through cu_seqlens_k)",
+                    NotImplementedError)
+    eager = (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+             and all(t is None or type(t) is torch.Tensor for t in arguments[:8]))
+    if not eager:
+        out, lse = flash_attn_varlen_fwd(*arguments)
+    elif wants_grad:
+        out, lse = _VarlenAttention.apply(*arguments)
     else:
-        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
-                            window, softmax_scale, float(softcap), alibi_slopes, learnable_sink, bundle)
+        out, lse = _op_forward(*arguments)
     return (out, lse) if return_lse else out

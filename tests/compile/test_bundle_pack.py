@@ -174,8 +174,8 @@ def test_verify_index_out_of_step_with_manifest(bundle_dir, tmp_path, capsys):
     edited = copy_bundle(bundle_dir, tmp_path / "edited")
     index = edited / "include/fagen/index.h"
     text = index.read_text()
-    assert ", 2, 0},\n" in text  # fa_version, max_seqlen_k of an FA2 row
-    index.write_text(text.replace(", 2, 0},\n", ", 3, 0},\n", 1))
+    assert ", 2, 0, 0},\n" in text  # fa_version, max_seqlen_k, min_split_keys of an FA2 row
+    index.write_text(text.replace(", 2, 0, 0},\n", ", 3, 0, 0},\n", 1))
     code, text = verify(edited, capsys)
     assert code == 1
     assert "FAIL include/fagen/index.h: does not match the manifest" in text

@@ -135,6 +135,13 @@ def test_example_names_what_the_bundle_holds(example, fake_driver):
     assert "sm90 (fa2): fwd/bf16/hd64/full" in result.stderr and "fagen build" in result.stderr
 
 
+def test_decode_example_names_the_paged_kernel(example, fake_driver):
+    """fagen_decode_paged asks the bundle for the paged layout's kernel (ci-small has none)."""
+    result = run(example.with_name("fagen_decode_paged"), driver_dir=fake_driver, cc=(9, 0))
+    assert result.returncode == 2
+    assert "no kernel for 'fwd/bf16/hd128/local/paged'" in result.stderr and "fagen build" in result.stderr
+
+
 def test_example_without_driver(example, tmp_path):
     if ctypes.util.find_library("cuda"):
         pytest.skip("a real libcuda is installed here")
@@ -471,6 +478,30 @@ def test_cpp_tma_maps_match_python(open_bundle, recorded_tensor_maps, shape, dty
     assert list(got) == list(names)
     for name in names:
         assert set(got[name]) == set(TMA_FIELDS), name
+        for field in TMA_FIELDS:
+            assert got[name][field] == expected[name][field], (name, field)
+
+
+@pytest.mark.parametrize("totals", [(600, 900), (1, 5)], ids=["packed", "one-token"])
+def test_cpp_varlen_tma_maps_match_python(open_bundle, recorded_tensor_maps, totals):
+    """A varlen call's maps span the packed rows as one batch row, in C++ as in Python."""
+    from fagen.runtime import call
+
+    total_q, total_k = totals
+    batch, max_q, max_k, heads_q, heads_kv, head_dim = 3, min(300, total_q), min(400, total_k), 8, 2, 128
+    problem = call.Problem("bf16", True, batch, max_q, max_k, heads_q, heads_kv, head_dim, layout="varlen")
+    varlen = call.Varlen(4096, 4096, total_q, total_k)
+    tensors = {"q": call.Tensor(1 << 20, 0, heads_q * head_dim, head_dim),
+               "k": call.Tensor(2 << 20, 0, heads_kv * head_dim, head_dim),
+               "v": call.Tensor(3 << 20, 0, heads_kv * head_dim, head_dim)}
+    launch = contract.Launch(threads=128, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=128)
+    call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch, varlen)
+    expected = dict(zip(("q", "k", "v"), recorded_tensor_maps))
+    result = run(open_bundle, "--varlen-tma-maps", "bf16", batch, max_q, max_k, heads_q, heads_kv, head_dim, 0, 128, 128,
+                 1 << 20, 2 << 20, 3 << 20, total_q, total_k)
+    assert result.returncode == 0, result.stderr
+    got = parse_tma_maps(result.stdout)
+    for name in expected:
         for field in TMA_FIELDS:
             assert got[name][field] == expected[name][field], (name, field)
 

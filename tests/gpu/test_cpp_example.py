@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from attention_reference import Mods, attention_math, math_grads  # noqa: E402
 from test_fa2_fwd import EVERY_KERNEL_WINDOW  # noqa: E402
 from fagen import contract  # noqa: E402
+from fagen.runtime import KernelNotFound  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
 
 # The softcap a variant kernel runs with here (the example makes its ALiBi slopes and sinks).
@@ -208,3 +209,23 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
             assert not cpp.isnan().any(), f"{context}: NaN (unwritten elements)"
             assert cpp_error <= 3 * low_error + 1e-4, context
             assert between <= 3 * low_error + 1e-4, context
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--page-size", "64", "--heads-q", "8", "--heads-kv", "1", "--batch", "3", "--seed", "1"],
+    ["--page-size", "16", "--num-splits", "1", "--head-dim", "64", "--heads-q", "16", "--heads-kv", "4"],
+], ids=["gqa4-p16", "mqa8-p64", "hd64-one-split"])
+def test_cpp_decode_from_paged_cache(bundle, example, args):
+    """examples/cpp/decode_paged.cpp: decode steps over a paged cache through Bundle::attention_kvcache,
+    each checked against its CPU reference."""
+    head_dim = int(args[args.index("--head-dim") + 1]) if "--head-dim" in args else 128
+    key = f"fwd/bf16/hd{head_dim}/local/paged"
+    try:
+        bundle.select(key, torch.cuda.get_device_capability())
+    except KernelNotFound as exc:
+        pytest.skip(f"bundle has no {key}: {str(exc).splitlines()[0]}")
+    result = subprocess.run([str(example.with_name("fagen_decode_paged")), "--bundle", str(bundle.path), *args],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout

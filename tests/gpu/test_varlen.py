@@ -212,3 +212,102 @@ def test_varlen_refusals(bundle):
         flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, 0.1)
     with pytest.raises(ValueError, match="exceed"):
         flash_attn_varlen_func(q, q, q, cu, cu, 11, 6)
+
+
+def test_merge_prefix_and_suffix(bundle):
+    """A decode step over a shared prefix and each row's own keys, merged (cascade attention),
+    against the step over the whole cache."""
+    try:
+        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
+                      torch.cuda.get_device_capability())
+    except KernelNotFound as exc:
+        pytest.skip(str(exc).splitlines()[0])
+    from fagen.torch import merge_attention_states
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    batch, prefix, total, heads_q, heads_kv, d = 3, 192, 700, 8, 2, 128
+    k_cache = torch.randn(batch, total, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(batch, total, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch, 1, heads_q, d, device="cuda", generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([700, 193, 450], dtype=torch.int32, device="cuda")
+    whole, whole_lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+    head, head_lse = flash_attn_with_kvcache(q, k_cache[:, :prefix], v_cache[:, :prefix], cache_seqlens=prefix,
+                                             return_lse=True)
+    tail, tail_lse = flash_attn_with_kvcache(q, k_cache[:, prefix:], v_cache[:, prefix:], cache_seqlens=lens - prefix,
+                                             return_lse=True)
+    merged, merged_lse = merge_attention_states(head, head_lse, tail, tail_lse)
+    assert (merged.float() - whole.float()).abs().max() <= 2 ** -6
+    assert (merged_lse - whole_lse).abs().max() <= 1e-3
+
+
+def test_scheduler_metadata(bundle):
+    """get_scheduler_metadata's split count is what flash_attn_with_kvcache then runs."""
+    try:
+        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
+                      torch.cuda.get_device_capability())
+    except KernelNotFound as exc:
+        pytest.skip(str(exc).splitlines()[0])
+    from fagen.torch import get_scheduler_metadata
+
+    batch, capacity, heads_q, heads_kv, d = 2, 8192, 32, 8, 128
+    metadata = get_scheduler_metadata(batch, 1, capacity, heads_q, heads_kv, d, bundle=bundle)
+    splits = int(metadata[0])
+    assert metadata.device.type == "cpu" and 1 <= splits <= contract.MAX_SPLITS
+    k_cache = torch.randn(batch, capacity, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([8000, 3000], dtype=torch.int32, device="cuda")
+    got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, scheduler_metadata=metadata)
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="scheduler_metadata"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, scheduler_metadata=metadata.cuda())
+
+
+def test_varlen_under_torch_compile(bundle):
+    """torch.compile(fullgraph=True) of a varlen forward and backward (the custom ops) gives the
+    eager call's output and gradients, bit for bit."""
+    require(bundle, "bwd", "bf16", 128, "causal")
+    packed = Packed(*LENGTHS["mixed"], HEADS["gqa3"], 128, torch.bfloat16, seed=13)
+    max_q, max_k = max(packed.q_lens), max(packed.k_lens)
+
+    def step(q, k, v):
+        out = flash_attn_varlen_func(q, k, v, packed.cu_q, packed.cu_k, max_q, max_k, causal=True)
+        (out.float() * packed.dout.float()).sum().backward()
+        return out
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (packed.q, packed.k, packed.v))
+        results.append((fn(q, k, v).detach(), q.grad, k.grad, v.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def test_kvcache_under_torch_compile(bundle):
+    """torch.compile(fullgraph=True) of a decode step with appends (the custom op
+    fagen::flash_attn_kvcache after traced index writes): the eager step's output and cache."""
+    try:
+        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
+                      torch.cuda.get_device_capability())
+    except KernelNotFound as exc:
+        pytest.skip(str(exc).splitlines()[0])
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    batch, pages, page, heads_q, heads_kv, d = 3, 64, 16, 8, 2, 128
+    table = torch.randperm(pages, device="cuda", generator=gen)[:batch * 20].view(batch, 20).to(torch.int32)
+    lens = torch.tensor([5, 200, 17], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, heads_q, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k_new = torch.randn(batch, 1, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    start = torch.randn(pages, page, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def step(k_cache, v_cache):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                       causal=True)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        k_cache, v_cache = start.clone(), start.clone()
+        results.append((fn(k_cache, v_cache), k_cache, v_cache))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

@@ -85,3 +85,21 @@ def test_varlen_params_are_packed():
 def test_varlen_checks(varlen, message):
     with pytest.raises(call.AttentionError, match=message):
         call._check_varlen(_problem(), varlen)
+
+
+def test_varlen_call_traces_under_fake_tensors():
+    """The custom op's fake implementation: shapes out of a traced call, no device touched."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fagen.torch import flash_attn_varlen_func
+
+    with FakeTensorMode():
+        q = torch.empty(10, 4, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(12, 2, 64, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(12, 2, 32, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 5, 12], dtype=torch.int32, device="cuda")
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_lse=True)
+        assert out.shape == (10, 4, 32) and out.dtype == torch.bfloat16
+        assert lse.shape == (4, 10) and lse.dtype == torch.float32

@@ -390,8 +390,10 @@ inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16
 // Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key);
 // variant: a mask of FAGEN_MASK_NAMES, with the score modifiers (contract.h's variant_name);
 // head_dim_v: v's head dim where it differs (0: the same), e.g. "fwd/bf16/hd192v128/causal".
-inline std::string forward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0) {
-    return kernel_key("fwd", dtype_name(dtype), head_dim, variant, head_dim_v);
+// layout: one of FAGEN_LAYOUT_NAMES ("dense" is never spelled in a key).
+inline std::string forward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0,
+                               const std::string& layout = "dense") {
+    return kernel_key("fwd", dtype_name(dtype), head_dim, variant, head_dim_v, layout);
 }
 
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
@@ -556,6 +558,16 @@ struct Attention {
     // memory its type reads (mask_args); it replaces causal and the window (leave them unset).
     std::string mask_mod;
     CUdeviceptr mask_args = 0;
+    // Packed sequences of different lengths (layout varlen, flash_attn_varlen_func): with
+    // cu_seqlens_q and cu_seqlens_k, device int32 (batch + 1) offsets of each sequence's tokens,
+    // q and out are (total_q, heads_q, d), k and v (total_k, heads_kv, d), their batch strides
+    // ignored; seqlen_q and seqlen_k are the longest sequence's (they size the grid), total_q and
+    // total_k the packed rows, lse (heads_q, total_q); seqused_k (int32 (batch,), optional)
+    // caps each sequence's keys. Forward only.
+    CUdeviceptr cu_seqlens_q = 0, cu_seqlens_k = 0, seqused_k = 0;
+    long long total_q = 0, total_k = 0;
+
+    bool varlen() const { return cu_seqlens_k != 0; }
 
     // The mask of this call: call_mask's, or the custom mask's.
     Result<CallMask> mask() const {
@@ -606,7 +618,8 @@ public:
             sms = count.value();
         }
         set_grid(config, grid_dims(info_->grid, info_->block_m, info_->block_n, params.seqlen_q, params.heads_q,
-                                   params.batch, sms, params.seqlen_k, params.heads_kv));
+                                   params.batch, sms, params.seqlen_k, params.heads_kv,
+                                   params.num_splits > 1 ? params.num_splits : 1));
         config.blockDimX = static_cast<unsigned>(info_->threads);
         config.blockDimY = config.blockDimZ = 1;
         config.sharedMemBytes = static_cast<unsigned>(info_->dynamic_smem);
@@ -647,6 +660,25 @@ public:
     size_t workspace_bytes(const FagenFwdParams& params) const {
         return sizeof(float) * static_cast<size_t>(info_->workspace_floats_per_row) * params.seqlen_q *
                params.heads_q * params.batch;
+    }
+
+    // A split-KV kernel's combine entry point (contract.h: FAGEN_SPLIT_COMBINE_SUFFIX): merges
+    // the params.num_splits partial results into o and lse, after launch() on the same stream.
+    Status launch_combine(const FagenFwdParams& params, CUstream stream) const {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        if (combine_ == nullptr) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " is not a split-KV kernel");
+        }
+        CUlaunchConfig config{};
+        set_grid(config, combine_grid(params.batch, params.seqlen_q, params.heads_q));
+        config.blockDimX = FAGEN_COMBINE_THREADS;
+        config.blockDimY = config.blockDimZ = 1;
+        config.hStream = stream;
+        void* arguments[1] = {const_cast<FagenFwdParams*>(&params)};
+        return d.value()->check(
+            d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(combine_), arguments, nullptr),
+            "cuLaunchKernelEx(combine)");
     }
 
     // A backward (index.h key "bwd/..."): its preprocess, main and dQ kernels (contract.h,
@@ -695,6 +727,7 @@ private:
     CUkernel kernel_ = nullptr;
     CUkernel preprocess_ = nullptr;  // backward kernels only
     CUkernel convert_ = nullptr;
+    CUkernel combine_ = nullptr;  // split-KV kernels only
     std::set<CUdevice> prepared_devices_;
 };
 
@@ -709,6 +742,25 @@ struct AttentionBackward : Attention {
     std::optional<Strides> dout_strides, dq_strides, dk_strides, dv_strides;
     CUdeviceptr semaphores = 0;
     CUdeviceptr dsinks = 0;  // with sinks: dL/dsink, fp32 (heads_q,), written
+};
+
+// Attention of new query tokens over a KV cache (flash_attn_with_kvcache; layout paged, the
+// split-KV kernels). q: dense (batch, seqlen_q, heads_q, d), or packed by cu_seqlens_q ((total_q,
+// heads_q, d), seqlen_q the longest row's, lse (heads_q, total_q)). k, v: the cache, (batch,
+// seqlen_k, heads_kv, d) contiguous, or pages (pages, page_size, heads_kv, d) with block_table,
+// int32 (batch, block_table_stride), key j of row b in row j % page_size of page
+// block_table[b * block_table_stride + j / page_size] (page_size a multiple of 16); seqlen_k is
+// each row's capacity (block_table columns x page_size when paged). cache_seqlens: int32
+// (batch,) keys per row (0: seqlen_k each). `causal` aligns a row's tokens to its last key
+// (bottom-right). num_splits: 0 chooses (split_count), n forces n; `workspace`: an fp32 device
+// buffer of Bundle::kvcache_workspace_bytes(). No append: the new tokens' keys and values go into
+// the cache before the call (fagen.torch appends on the GPU; here, your copy or kernel).
+struct KvCacheAttention : Attention {
+    CUdeviceptr block_table = 0;
+    long long block_table_stride = 0;
+    int page_size = 0, pages = 0;
+    CUdeviceptr cache_seqlens = 0;
+    int num_splits = 0;
 };
 
 // The arguments of one cuTensorMapEncodeTiled call, all but the CUtensorMap it writes: a tiled
@@ -759,8 +811,16 @@ inline TensorMapArgs tensor_map_args(DType dtype, CUdeviceptr data, int batch, i
 // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps), given the tensors'
 // strides: boxes of the kernel's tma_q_rows (Q) and tma_kv_rows (K, V) rows; V's columns are
 // head_dim_v.
+// head_dim_v. A varlen call's maps span the packed rows as one batch row (algo/batch_row.cuh).
 inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strides& q, const Strides& k,
                                                  const Strides& v, int tma_q_rows, int tma_kv_rows) {
+    if (a.varlen()) {
+        const long long rows_q = a.total_q > 1 ? a.total_q : 1, rows_k = a.total_k > 1 ? a.total_k : 1;
+        const Strides pq{rows_q * q.row, q.row, q.head}, pk{rows_k * k.row, k.row, k.head}, pv{rows_k * v.row, v.row, v.head};
+        return {tensor_map_args(a.dtype, a.q, 1, int(rows_q), a.heads_q, a.head_dim, pq, tma_q_rows),
+                tensor_map_args(a.dtype, a.k, 1, int(rows_k), a.heads_kv, a.head_dim, pk, tma_kv_rows),
+                tensor_map_args(a.dtype, a.v, 1, int(rows_k), a.heads_kv, a.value_dim(), pv, tma_kv_rows)};
+    }
     return {tensor_map_args(a.dtype, a.q, a.batch, a.seqlen_q, a.heads_q, a.head_dim, q, tma_q_rows),
             tensor_map_args(a.dtype, a.k, a.batch, a.seqlen_k, a.heads_kv, a.head_dim, k, tma_kv_rows),
             tensor_map_args(a.dtype, a.v, a.batch, a.seqlen_k, a.heads_kv, a.value_dim(), v, tma_kv_rows)};
@@ -899,17 +959,23 @@ public:
         const Result<KernelScale> scale = kernel_score_scale(a.softmax_scale, a.head_dim, a.softcap);
         if (!scale.ok()) return scale.status();
         if (Status s = check_score_arrays(a); !s.ok()) return s;
+        if (Status s = check_varlen(a); !s.ok()) return s;
         const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
+                                               a.varlen() ? "varlen" : "dense"),
+                                   a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
-        const auto [q, k, v, o] = strides_of(a);
+        auto [q, k, v, o] = strides_of(a);
+        if (a.varlen()) q.batch = k.batch = v.batch = o.batch = 0;  // packed: never used
         const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
             {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
         for (const auto& [name, tensor] : tensors) {
-            if (Status s = check_tensor(name, tensor.first, tensor.second, tma); !s.ok()) return s;
+            Strides checked = tensor.second;
+            if (a.varlen()) checked.batch = checked.row;  // a packed tensor has no batch stride to check
+            if (Status s = check_tensor(name, tensor.first, checked, tma); !s.ok()) return s;
         }
 
         FagenFwdParams p{};
@@ -923,6 +989,13 @@ public:
         p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
         p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
         fill_problem(p, a, scale.value(), mask.value());
+        if (a.varlen()) {
+            p.lse_batch_stride = 0;
+            p.lse_head_stride = a.total_q;
+            p.cu_seqlens_q = reinterpret_cast<const int*>(a.cu_seqlens_q);
+            p.cu_seqlens_k = reinterpret_cast<const int*>(a.cu_seqlens_k);
+            p.seqused_k = reinterpret_cast<const int*>(a.seqused_k);
+        }
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
         FagenTmaMaps maps{};
@@ -930,6 +1003,108 @@ public:
             return s;
         }
         return kernel.value()->launch(p, &maps, stream, a.workspace);
+    }
+
+    // The split count a KV-cache call of `a` runs (num_splits, else split_count from the shapes
+    // and the device's SMs: the same for every call of these shapes, e.g. a graph's replays).
+    Result<int> kvcache_splits(const KvCacheAttention& a) {
+        if (a.num_splits < 0 || a.num_splits > FAGEN_MAX_SPLITS) {
+            return Status::error("fagen: num_splits=" + std::to_string(a.num_splits) + ": 0 (chosen) or 1.." +
+                                 std::to_string(FAGEN_MAX_SPLITS));
+        }
+        if (a.num_splits > 0) return a.num_splits;
+        auto kernel = kvcache_kernel(a);
+        if (!kernel.ok()) return kernel.status();
+        auto sms = Kernel::multiprocessor_count();
+        if (!sms.ok()) return sms.status();
+        const FagenKernelInfo& info = kernel.value()->info();
+        const GridDims one = grid_dims(info.grid, info.block_m, info.block_n, a.seqlen_q, a.heads_q, a.batch, 0,
+                                       a.seqlen_k, a.heads_kv, 1);
+        return split_count(one.y * one.z, a.seqlen_k, sms.value(), info.min_split_keys);
+    }
+    // Bytes of the fp32 workspace a KV-cache call of `a` needs (contract.h: split_workspace).
+    Result<size_t> kvcache_workspace_bytes(const KvCacheAttention& a) {
+        auto splits = kvcache_splits(a);
+        if (!splits.ok()) return splits.status();
+        return sizeof(float) *
+               static_cast<size_t>(split_workspace(splits.value(), a.batch, a.seqlen_q, a.heads_q, a.value_dim()).floats);
+    }
+
+    // One attention over a KV cache on `stream` (in the current context), asynchronous: the
+    // split-KV kernel, then its combine when the keys are split. Reads no device memory on the
+    // host, so a captured launch replays with new cache contents, lengths and block tables.
+    Status attention_kvcache(const KvCacheAttention& a, CUstream stream) {
+        if (a.batch < 0 || a.seqlen_q < 0 || a.heads_q < 0) return Status::error("fagen: negative size in KvCacheAttention");
+        if (a.batch == 0 || a.seqlen_q == 0 || a.heads_q == 0) return Status();
+        if (a.seqlen_k <= 0 || a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0) {
+            return Status::error("fagen: need a cache of seqlen_k >= 1 keys per row and heads_q (" +
+                                 std::to_string(a.heads_q) + ") a multiple of heads_kv (" + std::to_string(a.heads_kv) + ")");
+        }
+        if (a.cu_seqlens_k != 0 || !a.mask_mod.empty()) {
+            return Status::error("fagen: a KV-cache call takes no cu_seqlens_k (its rows' keys: cache_seqlens) and "
+                                 "the built-in masks only");
+        }
+        if (a.block_table != 0 && (a.page_size <= 0 || a.page_size % 16 != 0 || a.pages <= 0 ||
+                                   a.block_table_stride * a.page_size < a.seqlen_k)) {
+            return Status::error("fagen: a paged cache needs page_size a multiple of 16, pages >= 1 and "
+                                 "block_table_stride x page_size >= seqlen_k");
+        }
+        const std::pair<const char*, CUdeviceptr> arrays[] = {
+            {"block_table", a.block_table}, {"cache_seqlens", a.cache_seqlens}, {"cu_seqlens_q", a.cu_seqlens_q}};
+        for (const auto& [name, data] : arrays) {
+            if (data % 4 != 0) return Status::error(std::string("fagen: ") + name + " must be a 4-byte aligned int32 array");
+        }
+        if (a.cu_seqlens_q != 0 && a.total_q < a.seqlen_q) {
+            return Status::error("fagen: packed q needs total_q (its rows) >= seqlen_q (the longest row's tokens)");
+        }
+        const Result<KernelScale> scale = kernel_score_scale(a.softmax_scale, a.head_dim, a.softcap);
+        if (!scale.ok()) return scale.status();
+        if (Status s = check_score_arrays(a); !s.ok()) return s;
+        const Result<CallMask> mask = kvcache_mask(a);
+        if (!mask.ok()) return mask.status();
+        auto kernel = kvcache_kernel(a);
+        if (!kernel.ok()) return kernel.status();
+        auto splits = kvcache_splits(a);
+        if (!splits.ok()) return splits.status();
+        auto [q, k, v, o] = strides_of(a);
+        if (a.cu_seqlens_q != 0) q.batch = o.batch = 0;
+        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
+            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
+        for (const auto& [name, tensor] : tensors) {
+            if (Status s = check_tensor(name, tensor.first, tensor.second, false); !s.ok()) return s;
+        }
+        const SplitWorkspace layout = split_workspace(splits.value(), a.batch, a.seqlen_q, a.heads_q, a.value_dim());
+        if (layout.floats > 0 && (a.workspace == 0 || a.workspace % 16 != 0)) {
+            return Status::error("fagen: " + std::to_string(splits.value()) + " splits need a 16-byte aligned workspace of " +
+                                 std::to_string(sizeof(float) * layout.floats) + " bytes (kvcache_workspace_bytes)");
+        }
+        FagenFwdParams p{};
+        p.q = reinterpret_cast<const void*>(a.q);
+        p.k = reinterpret_cast<const void*>(a.k);
+        p.v = reinterpret_cast<const void*>(a.v);
+        p.o = reinterpret_cast<void*>(a.out);
+        p.lse = reinterpret_cast<float*>(a.lse);
+        p.q_batch_stride = q.batch; p.q_row_stride = q.row; p.q_head_stride = q.head;
+        p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
+        p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
+        p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
+        fill_problem(p, a, scale.value(), mask.value());
+        if (a.cu_seqlens_q != 0) {
+            p.lse_batch_stride = 0;
+            p.lse_head_stride = a.total_q;
+        }
+        p.cu_seqlens_q = reinterpret_cast<const int*>(a.cu_seqlens_q);
+        p.seqused_k = reinterpret_cast<const int*>(a.cache_seqlens);
+        p.block_table = reinterpret_cast<const int*>(a.block_table);
+        p.block_table_batch_stride = a.block_table_stride;
+        p.page_size = a.block_table != 0 ? a.page_size : 0;
+        p.pages = a.block_table != 0 ? a.pages : 0;
+        p.num_splits = splits.value();
+        float* workspace = reinterpret_cast<float*>(a.workspace);
+        p.o_partial = layout.floats > 0 ? workspace + layout.o_partial : nullptr;
+        p.lse_partial = layout.floats > 0 ? workspace + layout.lse_partial : nullptr;
+        if (Status s = kernel.value()->launch(p, nullptr, stream); !s.ok()) return s;
+        return splits.value() > 1 ? kernel.value()->launch_combine(p, stream) : Status();
     }
 
     // Bytes of the fp32 workspace and of the deterministic mode's semaphores a backward of `a`
@@ -955,6 +1130,10 @@ public:
     // the backward kernel, checks the arguments as attention() does, fills FagenBwdParams and
     // launches the three kernels.
     Status attention_backward(const AttentionBackward& a, CUstream stream) {
+        if (a.varlen()) {
+            return Status::error("fagen: the C++ backward takes the dense layout only (varlen's: "
+                                 "fagen.torch.flash_attn_varlen_func)");
+        }
         if (a.batch <= 0 || a.seqlen_q <= 0 || a.heads_q <= 0 || a.seqlen_k <= 0 || a.heads_kv <= 0 ||
             a.heads_q % a.heads_kv != 0) {
             return Status::error("fagen: the backward needs batch, seqlen_q, seqlen_k >= 1 and heads_q (" +
@@ -1093,9 +1272,14 @@ private:
             cu.library_unload(kernel->library_);
             return s;
         }
-        if (info.grid == FAGEN_GRID_KEY_BLOCKS) {  // a backward: the two kernels beside the main one
-            const std::pair<CUkernel*, const char*> companions[] = {
-                {&kernel->preprocess_, FAGEN_BWD_PREPROCESS_SUFFIX}, {&kernel->convert_, FAGEN_BWD_CONVERT_SUFFIX}};
+        // A backward: the two kernels beside the main one; a split-KV kernel: its combine.
+        std::vector<std::pair<CUkernel*, const char*>> companions;
+        if (info.grid == FAGEN_GRID_KEY_BLOCKS) {
+            companions = {{&kernel->preprocess_, FAGEN_BWD_PREPROCESS_SUFFIX}, {&kernel->convert_, FAGEN_BWD_CONVERT_SUFFIX}};
+        } else if (info.grid == FAGEN_GRID_SPLITS) {
+            companions = {{&kernel->combine_, FAGEN_SPLIT_COMBINE_SUFFIX}};
+        }
+        {
             for (const auto& [slot, suffix] : companions) {
                 const std::string symbol = std::string(info.name) + suffix;
                 if (Status s = cu.check(cu.library_get_kernel(slot, kernel->library_, symbol.c_str()),
@@ -1123,6 +1307,36 @@ private:
                 a.k_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim)),
                 a.v_strides.value_or(Strides::contiguous(a.seqlen_k, a.heads_kv, a.value_dim())),
                 a.out_strides.value_or(Strides::contiguous(a.seqlen_q, a.heads_q, a.value_dim()))};
+    }
+
+    // The band a KV-cache call's kernels take every built-in mask as (contract.py: banded).
+    static Result<CallMask> kvcache_mask(const KvCacheAttention& a) {
+        const Result<CallMask> mask = call_mask(a.causal, a.window_left, a.window_right, a.seqlen_q, a.seqlen_k);
+        if (!mask.ok() || std::string(mask.value().kind) == "local") return mask;
+        const int unbounded = a.seqlen_q + a.seqlen_k;
+        return CallMask{"local", unbounded, std::string(mask.value().kind) == "causal" ? 0 : unbounded};
+    }
+    Result<const Kernel*> kvcache_kernel(const KvCacheAttention& a) {
+        const Result<CallMask> mask = kvcache_mask(a);
+        if (!mask.ok()) return mask.status();
+        return kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"), a.seqlen_k);
+    }
+
+    // A varlen call's offsets and sizes (fagen/runtime/call.py: _check_varlen).
+    static Status check_varlen(const Attention& a) {
+        if ((a.cu_seqlens_q != 0) != (a.cu_seqlens_k != 0)) {
+            return Status::error("fagen: a varlen call needs both cu_seqlens_q and cu_seqlens_k");
+        }
+        if (!a.varlen()) return Status();
+        if (a.cu_seqlens_q % 4 != 0 || a.cu_seqlens_k % 4 != 0 || a.seqused_k % 4 != 0) {
+            return Status::error("fagen: cu_seqlens_q, cu_seqlens_k and seqused_k must be 4-byte aligned int32 arrays");
+        }
+        if (a.total_q < a.seqlen_q || a.total_k < a.seqlen_k) {
+            return Status::error("fagen: seqlen_q=" + std::to_string(a.seqlen_q) + " / seqlen_k=" +
+                                 std::to_string(a.seqlen_k) + " (the longest sequence's) cannot exceed the packed rows "
+                                 "total_q=" + std::to_string(a.total_q) + " / total_k=" + std::to_string(a.total_k));
+        }
+        return Status();
     }
 
     // The score modifiers' arrays: fp32, 4-byte aligned (their presence picks the variant).

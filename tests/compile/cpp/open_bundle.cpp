@@ -23,6 +23,8 @@
 //   open_bundle --workspace BATCH HEADS_Q SEQLEN_Q HEAD_DIM BLOCK_M
 //                                       print backward_workspace's offsets, floats, semaphores
 //                                       and the backward row grid
+//   open_bundle --varlen-tma-maps DTYPE BATCH MAX_Q MAX_K HEADS_Q HEADS_KV HEAD_DIM HEAD_DIM_V Q_ROWS KV_ROWS
+//               Q K V TOTAL_Q TOTAL_K   (a varlen call's maps over the packed rows)
 //   open_bundle --tma-maps DTYPE BATCH SEQLEN_Q SEQLEN_K HEADS_Q HEADS_KV HEAD_DIM HEAD_DIM_V Q_ROWS KV_ROWS
 //                          Q K V [DOUT DQ_ACCUM]
 //                                       print, one line per map (q, k, v; with DOUT and DQ_ACCUM,
@@ -82,6 +84,12 @@ static int print_tma_maps(int argc, char** argv) {
     std::tie(a.q, a.q_strides) = parse_tensor(argv[12]);
     std::tie(a.k, a.k_strides) = parse_tensor(argv[13]);
     std::tie(a.v, a.v_strides) = parse_tensor(argv[14]);
+    const bool varlen = std::strcmp(argv[1], "--varlen-tma-maps") == 0;
+    if (varlen) {  // packed by (any non-null) offsets, the rows given
+        a.cu_seqlens_q = a.cu_seqlens_k = 4096;
+        a.total_q = std::atoll(argv[15]);
+        a.total_k = std::atoll(argv[16]);
+    }
     const fagen::Strides q = a.q_strides.value_or(fagen::Strides::contiguous(a.seqlen_q, a.heads_q, a.head_dim));
     const fagen::Strides k = a.k_strides.value_or(fagen::Strides::contiguous(a.seqlen_k, a.heads_kv, a.head_dim));
     const fagen::Strides v = a.v_strides.value_or(fagen::Strides::contiguous(a.seqlen_k, a.heads_kv, a.value_dim()));
@@ -89,7 +97,7 @@ static int print_tma_maps(int argc, char** argv) {
     print_map("q", qkv[0]);
     print_map("k", qkv[1]);
     print_map("v", qkv[2]);
-    if (argc == 17) {
+    if (argc == 17 && !varlen) {
         std::tie(a.dout, a.dout_strides) = parse_tensor(argv[15]);
         const fagen::Strides dout =
             a.dout_strides.value_or(fagen::Strides::contiguous(a.seqlen_q, a.heads_q, a.value_dim()));
@@ -103,6 +111,7 @@ static int print_tma_maps(int argc, char** argv) {
 
 int main(int argc, char** argv) {
     if ((argc == 15 || argc == 17) && std::strcmp(argv[1], "--tma-maps") == 0) return print_tma_maps(argc, argv);
+    if (argc == 17 && std::strcmp(argv[1], "--varlen-tma-maps") == 0) return print_tma_maps(argc, argv);
     if (argc == 4 && std::strcmp(argv[1], "--scale") == 0) {
         std::optional<float> scale;
         if (std::strcmp(argv[2], "default") != 0) scale = std::strtof(argv[2], nullptr);

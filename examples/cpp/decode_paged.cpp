@@ -1,0 +1,213 @@
+// Decoding from a paged KV cache in C++ with a fagen bundle: a server's step, checked.
+//
+//   fagen_decode_paged [--bundle DIR] [--batch 4] [--heads-q 32] [--heads-kv 8] [--head-dim 128]
+//                      [--page-size 16] [--steps 8] [--num-splits 0] [--seed 0] [--tolerance T]
+//
+// Each row of the batch holds a prompt of a random length (1 ... 700 keys) in pages of
+// --page-size keys, taken from one pool in a random order through a block table (bf16). Then
+// --steps decode steps: per row one new token, whose key and value are written into the row's
+// next page slot (here with cuMemcpyHtoD; fagen.torch appends on the GPU) and whose query
+// attends to every key of its row, causal (Bundle::attention_kvcache: the split-KV kernel and,
+// when it splits the keys, its combine). Every step's output is checked against a CPU fp32
+// reference over the row's keys.
+// Exit status: 0 when every step's max error (relative to the reference's largest |value|) is
+// within the tolerance, 1 when one is not, 2 when the run could not happen.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "elements.hpp"
+#include "fagen/fagen.hpp"
+
+#ifndef FAGEN_DEFAULT_BUNDLE_DIR
+#define FAGEN_DEFAULT_BUNDLE_DIR ""
+#endif
+
+namespace {
+
+struct Options {
+    std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
+    int batch = 4, heads_q = 32, heads_kv = 8, head_dim = 128, page_size = 16, steps = 8, num_splits = 0;
+    unsigned seed = 0;
+    double tolerance = 1.0 / 64;  // bf16 outputs: a few units in the last place of values near 1
+};
+
+bool parse(int argc, char** argv, Options& o) {
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const std::string flag = argv[i];
+        const char* value = argv[i + 1];
+        if (flag == "--bundle") o.bundle = value;
+        else if (flag == "--batch") o.batch = std::atoi(value);
+        else if (flag == "--heads-q") o.heads_q = std::atoi(value);
+        else if (flag == "--heads-kv") o.heads_kv = std::atoi(value);
+        else if (flag == "--head-dim") o.head_dim = std::atoi(value);
+        else if (flag == "--page-size") o.page_size = std::atoi(value);
+        else if (flag == "--steps") o.steps = std::atoi(value);
+        else if (flag == "--num-splits") o.num_splits = std::atoi(value);
+        else if (flag == "--seed") o.seed = static_cast<unsigned>(std::atoi(value));
+        else if (flag == "--tolerance") o.tolerance = std::atof(value);
+        else return false;
+    }
+    return argc % 2 == 1 && !o.bundle.empty() && o.batch > 0 && o.heads_kv > 0 && o.heads_q % o.heads_kv == 0 &&
+           o.page_size > 0 && o.page_size % 16 == 0 && o.steps > 0 && o.head_dim > 0;
+}
+
+int fail(const std::string& message) {
+    std::fprintf(stderr, "error: %s\n", message.c_str());
+    return 2;
+}
+
+// Random bf16 values and their fp32 twins.
+void fill_random(std::vector<uint16_t>& bits, std::vector<float>& values, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < bits.size(); ++i) {
+        bits[i] = to_bf16(normal(rng));
+        values[i] = from_bf16(bits[i]);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    Options o;
+    if (!parse(argc, argv, o)) {
+        std::fprintf(stderr, "usage: %s [--bundle DIR] [--batch N] [--heads-q N] [--heads-kv N] [--head-dim N] "
+                             "[--page-size 16k] [--steps N] [--num-splits N] [--seed N] [--tolerance T]\n", argv[0]);
+        return 2;
+    }
+    auto bundle = fagen::Bundle::open(o.bundle);
+    if (!bundle.ok()) return fail(bundle.status().message());
+    auto device = fagen::use_device(0);
+    if (!device.ok()) return fail(device.status().message());
+    const fagen::Driver& cu = *fagen::driver().value();
+
+    std::mt19937 rng(o.seed);
+    std::vector<int> lengths(o.batch);
+    std::uniform_int_distribution<int> prompt(1, 700);
+    for (int& n : lengths) n = prompt(rng);
+    const int capacity = (*std::max_element(lengths.begin(), lengths.end()) + o.steps + o.page_size - 1) /
+                         o.page_size * o.page_size;
+    const int per_row = capacity / o.page_size, pages = o.batch * per_row + 3;  // spare pages nobody uses
+    std::vector<int> table(size_t(o.batch) * per_row);
+    std::vector<int> order(pages);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::copy(order.begin(), order.begin() + table.size(), table.begin());
+
+    const int d = o.head_dim, group = o.heads_q / o.heads_kv;
+    const size_t row_elements = size_t(o.heads_kv) * d;  // one key (or value) of every K/V head
+    const size_t cache_elements = size_t(pages) * o.page_size * row_elements;
+    std::vector<uint16_t> k_bits(cache_elements), v_bits(cache_elements);
+    std::vector<float> k_values(cache_elements), v_values(cache_elements);
+    fill_random(k_bits, k_values, rng);
+    fill_random(v_bits, v_values, rng);
+    auto slot = [&](int b, int key) {  // element offset of key `key` of row b in the pool
+        return (size_t(table[size_t(b) * per_row + key / o.page_size]) * o.page_size + key % o.page_size) * row_elements;
+    };
+
+    fagen::KvCacheAttention a;
+    a.dtype = fagen::DType::bf16;
+    a.causal = true;
+    a.batch = o.batch;
+    a.seqlen_q = 1;
+    a.seqlen_k = capacity;
+    a.heads_q = o.heads_q;
+    a.heads_kv = o.heads_kv;
+    a.head_dim = d;
+    a.page_size = o.page_size;
+    a.pages = pages;
+    a.block_table_stride = per_row;
+    a.num_splits = o.num_splits;
+    // The pool as (pages, page_size, heads_kv, d): the "batch" stride of k and v is a page's.
+    const fagen::Strides pool{static_cast<long long>(o.page_size) * o.heads_kv * d, static_cast<long long>(o.heads_kv) * d, d};
+    a.k_strides = a.v_strides = pool;
+    const size_t q_elements = size_t(o.batch) * o.heads_q * d;
+    auto workspace = bundle->kvcache_workspace_bytes(a);
+    if (!workspace.ok()) return fail(workspace.status().message());
+    auto splits = bundle->kvcache_splits(a);
+    if (!splits.ok()) return fail(splits.status().message());
+    const std::pair<CUdeviceptr*, size_t> allocations[] = {
+        {&a.q, q_elements * 2}, {&a.out, q_elements * 2}, {&a.k, cache_elements * 2}, {&a.v, cache_elements * 2},
+        {&a.block_table, table.size() * 4}, {&a.cache_seqlens, size_t(o.batch) * 4},
+        {&a.workspace, std::max<size_t>(workspace.value(), 16)}};
+    for (const auto& [pointer, bytes] : allocations) {
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
+    }
+    const fagen::Status setup[] = {
+        cu.check(cu.memcpy_htod(a.k, k_bits.data(), cache_elements * 2), "cuMemcpyHtoD(k)"),
+        cu.check(cu.memcpy_htod(a.v, v_bits.data(), cache_elements * 2), "cuMemcpyHtoD(v)"),
+        cu.check(cu.memcpy_htod(a.block_table, table.data(), table.size() * 4), "cuMemcpyHtoD(block_table)")};
+    for (const fagen::Status& s : setup) {
+        if (!s.ok()) return fail(s.message());
+    }
+    std::printf("fagen_decode_paged: %d rows of %d..%d cached keys, pages of %d (%d in the pool, random order), "
+                "%d:%d heads, head_dim %d, bf16; %d split(s)\n",
+                o.batch, *std::min_element(lengths.begin(), lengths.end()),
+                *std::max_element(lengths.begin(), lengths.end()), o.page_size, pages, o.heads_q, o.heads_kv, d,
+                splits.value());
+
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<uint16_t> q_bits(q_elements), out_bits(q_elements), new_k(row_elements), new_v(row_elements);
+    std::vector<float> q_values(q_elements), new_k_values(row_elements), new_v_values(row_elements), probs;
+    double worst = 0.0;
+    for (int step = 0; step < o.steps; ++step) {
+        // The step's new token of every row: its key and value into the row's next slot.
+        for (int b = 0; b < o.batch; ++b) {
+            fill_random(new_k, new_k_values, rng);
+            fill_random(new_v, new_v_values, rng);
+            const size_t at = slot(b, lengths[b]);
+            std::copy(new_k_values.begin(), new_k_values.end(), k_values.begin() + at);
+            std::copy(new_v_values.begin(), new_v_values.end(), v_values.begin() + at);
+            if (fagen::Status s = cu.check(cu.memcpy_htod(a.k + at * 2, new_k.data(), row_elements * 2), "cuMemcpyHtoD");
+                !s.ok()) return fail(s.message());
+            if (fagen::Status s = cu.check(cu.memcpy_htod(a.v + at * 2, new_v.data(), row_elements * 2), "cuMemcpyHtoD");
+                !s.ok()) return fail(s.message());
+            ++lengths[b];
+        }
+        fill_random(q_bits, q_values, rng);
+        if (fagen::Status s = cu.check(cu.memcpy_htod(a.q, q_bits.data(), q_elements * 2), "cuMemcpyHtoD(q)"); !s.ok())
+            return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memcpy_htod(a.cache_seqlens, lengths.data(), lengths.size() * 4), "cuMemcpyHtoD");
+            !s.ok()) return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memset_d16(a.out, 0x7fc0, q_elements), "cuMemsetD16(out)"); !s.ok())
+            return fail(s.message());  // NaN first: an element never written fails the check
+        if (fagen::Status s = bundle->attention_kvcache(a, nullptr); !s.ok()) return fail(s.message());
+        if (fagen::Status s = cu.check(cu.stream_synchronize(nullptr), "cuStreamSynchronize"); !s.ok())
+            return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, q_elements * 2), "cuMemcpyDtoH(out)");
+            !s.ok()) return fail(s.message());
+
+        double error = 0.0, size = 1e-30;
+        for (int b = 0; b < o.batch; ++b) {
+            probs.assign(lengths[b], 0.0f);
+            for (int h = 0; h < o.heads_q; ++h) {
+                const size_t qi = (size_t(b) * o.heads_q + h) * d, head = size_t(h / group) * d;
+                float top = -INFINITY, total = 0.0f;
+                for (int j = 0; j < lengths[b]; ++j) {
+                    float dot = 0.0f;
+                    for (int c = 0; c < d; ++c) dot += q_values[qi + c] * k_values[slot(b, j) + head + c];
+                    top = std::max(top, probs[j] = dot * scale);
+                }
+                for (int j = 0; j < lengths[b]; ++j) total += (probs[j] = std::exp(probs[j] - top));
+                for (int c = 0; c < d; ++c) {
+                    float want = 0.0f;
+                    for (int j = 0; j < lengths[b]; ++j) want += probs[j] / total * v_values[slot(b, j) + head + c];
+                    const double e = std::fabs(static_cast<double>(from_bf16(out_bits[qi + c])) - want);
+                    error = std::isnan(e) ? INFINITY : std::max(error, e);
+                    size = std::max(size, std::fabs(static_cast<double>(want)));
+                }
+            }
+        }
+        worst = std::max(worst, error / size);
+        std::printf("step %d: max error %.3g (relative to max |reference| %.3g)\n", step, error / size, size);
+    }
+    for (CUdeviceptr pointer : {a.q, a.out, a.k, a.v, a.block_table, a.cache_seqlens, a.workspace}) cu.mem_free(pointer);
+    const bool ok = worst <= o.tolerance;
+    std::printf("%s: worst step error %.3g, tolerance %.3g\n", ok ? "OK" : "FAILED", worst, o.tolerance);
+    return ok ? 0 : 1;
+}
