@@ -429,6 +429,21 @@ def dq_accum_rows(seqlen_q: int) -> int:
     return -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
 
 
+# A varlen forward on a persistent grid walks its tiles in a static order, which mixed lengths
+# unbalance; launched with a CTA per work item instead, the hardware hands tiles to SMs as they
+# free up. Decided on the host from the shapes alone (no sync): lengths count as mixed when the
+# grid's rows (batch x the longest) exceed the real ones by this factor. bench.varlen, 2026-12-02
+# (docs/performance.md, entry 128): one item per CTA ran mixed lengths (seqlen/8 ... seqlen: rows
+# ~1.8x the real ones) at 0.57-0.98x the dense TFLOP/s against 0.52-0.95x, equal lengths (1.0x)
+# at 0.91-0.94x against 0.92-1.00x at 4k.
+VARLEN_MIXED_ROWS = 1.25
+
+
+def varlen_walks_items(batch: int, max_seqlen_q: int, total_q: int) -> bool:
+    """Whether a varlen forward on a persistent grid is launched with one CTA per work item."""
+    return batch * max_seqlen_q > VARLEN_MIXED_ROWS * max(total_q, 1)
+
+
 def varlen_accum_rows(total_q: int, batch: int) -> int:
     """The varlen layout's dQ accumulator rows per head: batch row b's rows start at
     varlen_accum_begin(cu_seqlens_q[b], b), a multiple of DQ_ACCUM_ROW_ALIGN (the FA2 backward adds

@@ -10,7 +10,7 @@ from ..contract import (
     BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMBINE_ROWS_PER_CTA, COMBINE_THREADS,
     DQ_ACCUM_ROW_ALIGN, ELEMENT_BYTES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
-    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_COMBINE_SUFFIX, SPLIT_WAVE_FILL,
+    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_COMBINE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
     STRIDE_MULTIPLE, TMA_BOX_COLUMNS, kernel_key, variant_name,
 )
 
@@ -31,7 +31,7 @@ def _cpp_key_expression() -> str:
 
 
 # The launch-shape and workspace rules above, in C++ for fagen.hpp (which calls these rather than
-# re-deriving them): Launch.grid_dims, bwd_row_grid, dq_accum_rows and BackwardWorkspace.of.
+# re-deriving them): Launch.grid_dims, bwd_row_grid, dq_accum_rows, BackwardWorkspace.of and .varlen.
 # tests/compile/test_cpp_loader.py holds each to its Python twin over a grid of shapes.
 _CPP_RULES = """\
 /* Launch.grid_dims: the grid of a kernel (grid: FAGEN_GRID_*; sms: the device's multiprocessors,
@@ -50,6 +50,10 @@ inline GridDims grid_dims(int grid, int block_m, int block_n, long long seqlen_q
         return {num_splits, packed_blocks * heads_kv, batch};
     }
     return {m_blocks, heads_q, batch};
+}
+/* varlen_walks_items: whether a varlen forward on a persistent grid gets one CTA per work item. */
+inline bool varlen_walks_items(long long batch, long long max_seqlen_q, long long total_q) {
+    return double(batch * max_seqlen_q) > FAGEN_VARLEN_MIXED_ROWS * double(total_q > 1 ? total_q : 1);
 }
 /* split_count: the splits of a split-KV launch (slots: the device's SMs). */
 inline int split_count(long long ctas, long long keys, long long slots, long long min_split_keys) {
@@ -103,6 +107,19 @@ inline BackwardWorkspace backward_workspace(long long batch, long long heads_q, 
     return {0, accum, accum + rows, accum + 2 * rows, accum + 2 * rows + partials,
             batch * heads_q * ((seqlen_q + block_m - 1) / block_m)};
 }
+/* varlen_accum_rows, BackwardWorkspace.varlen: the varlen layout's dQ accumulator rows per head and
+   its workspace (total_q: the packed rows; max_seqlen_q: the longest sequence's). */
+inline long long varlen_accum_rows(long long total_q, long long batch) {
+    return dq_accum_rows(total_q) + FAGEN_DQ_ACCUM_ROW_ALIGN * batch;
+}
+inline BackwardWorkspace backward_workspace_varlen(long long batch, long long heads_q, long long total_q,
+                                                   long long max_seqlen_q, long long head_dim, int block_m) {
+    const long long rows = heads_q * total_q;
+    const long long accum = heads_q * varlen_accum_rows(total_q, batch) * head_dim;
+    const long long partials = batch * heads_q * ((max_seqlen_q + FAGEN_SINK_PARTIAL_ROWS - 1) / FAGEN_SINK_PARTIAL_ROWS);
+    return {0, accum, accum + rows, accum + 2 * rows, accum + 2 * rows + partials,
+            batch * heads_q * ((max_seqlen_q + block_m - 1) / block_m)};
+}
 """
 
 
@@ -145,6 +162,7 @@ def render_contract_header() -> str:
         "/* Split-KV kernels: the combine entry point and split_count's limits (fagen/contract.py). */",
         f"#define FAGEN_SPLIT_COMBINE_SUFFIX \"{SPLIT_COMBINE_SUFFIX}\"",
         f"#define FAGEN_COMBINE_ROWS_PER_CTA {COMBINE_ROWS_PER_CTA}",
+        f"#define FAGEN_VARLEN_MIXED_ROWS {VARLEN_MIXED_ROWS!r}",
         f"#define FAGEN_COMBINE_THREADS {COMBINE_THREADS}",
         f"#define FAGEN_MAX_SPLITS {MAX_SPLITS}",
         f"#define FAGEN_SPLIT_WAVE_FILL {SPLIT_WAVE_FILL!r}",

@@ -377,6 +377,9 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
     entry = entry or select(bundle, problem, device)
     _check_entry(entry, problem.key)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device)
+    if (varlen is not None and entry.launch.grid == "persistent"
+            and contract.varlen_walks_items(problem.batch, problem.seqlen_q, varlen.total_q)):
+        grid = entry.launch.grid_dims(problem.seqlen_q, problem.heads_q, problem.batch, 1 << 31)
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")

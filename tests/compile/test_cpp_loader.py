@@ -482,8 +482,20 @@ def test_cpp_tma_maps_match_python(open_bundle, recorded_tensor_maps, shape, dty
             assert got[name][field] == expected[name][field], (name, field)
 
 
+@pytest.mark.parametrize("shape", ((1, 1, 1, 1, 64, 64), (3, 4, 769, 300, 128, 64), (7, 32, 5000, 4097, 256, 64)))
+def test_cpp_varlen_workspace_rule_matches_python(open_bundle, shape):
+    batch, heads_q, total_q, max_seqlen_q, head_dim, block_m = shape
+    w = contract.BackwardWorkspace.varlen(batch, heads_q, total_q, max_seqlen_q, head_dim, block_m)
+    result = run(open_bundle, "--workspace-varlen", *shape)
+    assert result.returncode == 0, result.stderr
+    assert tuple(int(x) for x in result.stdout.split()) == (
+        w.dq_accum, w.softmax_d, w.lse_log2, w.sink_partials, w.floats, w.semaphores,
+        contract.varlen_accum_rows(total_q, batch))
+
+
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 @pytest.mark.parametrize("totals", [(600, 900), (1, 5)], ids=["packed", "one-token"])
-def test_cpp_varlen_tma_maps_match_python(open_bundle, recorded_tensor_maps, totals):
+def test_cpp_varlen_tma_maps_match_python(open_bundle, recorded_tensor_maps, totals, backward):
     """A varlen call's maps span the packed rows as one batch row, in C++ as in Python."""
     from fagen.runtime import call
 
@@ -495,10 +507,19 @@ def test_cpp_varlen_tma_maps_match_python(open_bundle, recorded_tensor_maps, tot
                "k": call.Tensor(2 << 20, 0, heads_kv * head_dim, head_dim),
                "v": call.Tensor(3 << 20, 0, heads_kv * head_dim, head_dim)}
     launch = contract.Launch(threads=128, block_m=128, dynamic_smem=0, tma_q_rows=128, tma_kv_rows=128)
-    call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch, varlen)
-    expected = dict(zip(("q", "k", "v"), recorded_tensor_maps))
+    extra = []
+    if backward:
+        t = dict(tensors, dout=call.Tensor(4 << 20, 0, heads_q * head_dim, head_dim))
+        bwd = call.BackwardTensors(q=t["q"], k=t["k"], v=t["v"], out=t["dout"], dout=t["dout"], dq=t["q"],
+                                   dk=t["k"], dv=t["v"], lse=6 << 20)
+        call.bwd_tma_maps(problem, bwd, launch, 5 << 20, varlen)
+        names, extra = ("q", "k", "v", "dout", "dq_accum"), [4 << 20, 5 << 20]
+    else:
+        call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch, varlen)
+        names = ("q", "k", "v")
+    expected = dict(zip(names, recorded_tensor_maps))
     result = run(open_bundle, "--varlen-tma-maps", "bf16", batch, max_q, max_k, heads_q, heads_kv, head_dim, 0, 128, 128,
-                 1 << 20, 2 << 20, 3 << 20, total_q, total_k)
+                 1 << 20, 2 << 20, 3 << 20, total_q, total_k, *extra)
     assert result.returncode == 0, result.stderr
     got = parse_tma_maps(result.stdout)
     for name in expected:

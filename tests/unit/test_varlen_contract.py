@@ -103,3 +103,13 @@ def test_varlen_call_traces_under_fake_tensors():
         out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_lse=True)
         assert out.shape == (10, 4, 32) and out.dtype == torch.bfloat16
         assert lse.shape == (4, 10) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("lengths, items", [
+    ([1024] * 16, False),            # equal lengths: the persistent walk
+    ([1000, 1024, 990], False),      # nearly equal
+    ([128, 1024, 300, 700], True),   # mixed: a CTA per work item
+    ([1], False),
+])
+def test_varlen_grid_rule(lengths, items):
+    assert contract.varlen_walks_items(len(lengths), max(lengths), sum(lengths)) is items

@@ -397,8 +397,9 @@ inline std::string forward_key(DType dtype, int head_dim, const std::string& var
 }
 
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
-inline std::string backward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0) {
-    return kernel_key("bwd", dtype_name(dtype), head_dim, variant, head_dim_v);
+inline std::string backward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0,
+                                const std::string& layout = "dense") {
+    return kernel_key("bwd", dtype_name(dtype), head_dim, variant, head_dim_v, layout);
 }
 
 // The mask of a call: its kind (one of FAGEN_MASK_NAMES) and the window sizes its kernel is
@@ -563,7 +564,7 @@ struct Attention {
     // q and out are (total_q, heads_q, d), k and v (total_k, heads_kv, d), their batch strides
     // ignored; seqlen_q and seqlen_k are the longest sequence's (they size the grid), total_q and
     // total_k the packed rows, lse (heads_q, total_q); seqused_k (int32 (batch,), optional)
-    // caps each sequence's keys. Forward only.
+    // caps each sequence's keys (forward only).
     CUdeviceptr cu_seqlens_q = 0, cu_seqlens_k = 0, seqused_k = 0;
     long long total_q = 0, total_k = 0;
 
@@ -616,6 +617,10 @@ public:
             auto count = multiprocessor_count();
             if (!count.ok()) return count.status();
             sms = count.value();
+            // A varlen call (its LSE's head stride: the packed rows) of mixed lengths: a CTA per item.
+            if (params.cu_seqlens_k != nullptr && varlen_walks_items(params.batch, params.seqlen_q, params.lse_head_stride)) {
+                sms = 1 << 30;
+            }
         }
         set_grid(config, grid_dims(info_->grid, info_->block_m, info_->block_n, params.seqlen_q, params.heads_q,
                                    params.batch, sms, params.seqlen_k, params.heads_kv,
@@ -831,6 +836,13 @@ inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strid
 // head_dim), both in boxes of tma_q_rows rows.
 inline std::array<TensorMapArgs, 2> bwd_extra_map_args(const AttentionBackward& a, const Strides& dout,
                                                        CUdeviceptr dq_accum, int tma_q_rows) {
+    if (a.varlen()) {  // over the packed rows, one batch row; the accumulator's varlen_accum_rows per head
+        const long long rows_q = a.total_q > 1 ? a.total_q : 1, accum_rows = varlen_accum_rows(a.total_q, a.batch);
+        const Strides packed{rows_q * dout.row, dout.row, dout.head};
+        const Strides accum{a.heads_q * accum_rows * a.head_dim, a.head_dim, accum_rows * a.head_dim};
+        return {tensor_map_args(a.dtype, a.dout, 1, int(rows_q), a.heads_q, a.value_dim(), packed, tma_q_rows),
+                tensor_map_args(a.dtype, dq_accum, 1, int(accum_rows), a.heads_q, a.head_dim, accum, tma_q_rows, true)};
+    }
     const Strides accum{a.heads_q * dq_accum_rows(a.seqlen_q) * a.head_dim, a.head_dim,
                         dq_accum_rows(a.seqlen_q) * a.head_dim};
     return {tensor_map_args(a.dtype, a.dout, a.batch, a.seqlen_q, a.heads_q, a.value_dim(), dout, tma_q_rows),
@@ -1113,6 +1125,7 @@ public:
     // int32 per query block of the main kernel.
     // The workspace's layout (contract.h: backward_workspace, fagen/contract.py's BackwardWorkspace).
     static BackwardWorkspace workspace_layout(const Attention& a, int block_m = 1) {
+        if (a.varlen()) return backward_workspace_varlen(a.batch, a.heads_q, a.total_q, a.seqlen_q, a.head_dim, block_m);
         return backward_workspace(a.batch, a.heads_q, a.seqlen_q, a.head_dim, block_m);
     }
     static size_t backward_workspace_bytes(const Attention& a) {
@@ -1121,7 +1134,9 @@ public:
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
         const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
+                                                a.varlen() ? "varlen" : "dense"),
+                                   a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
         return sizeof(int) * static_cast<size_t>(workspace_layout(a, kernel.value()->info().block_m).semaphores);
     }
@@ -1130,10 +1145,8 @@ public:
     // the backward kernel, checks the arguments as attention() does, fills FagenBwdParams and
     // launches the three kernels.
     Status attention_backward(const AttentionBackward& a, CUstream stream) {
-        if (a.varlen()) {
-            return Status::error("fagen: the C++ backward takes the dense layout only (varlen's: "
-                                 "fagen.torch.flash_attn_varlen_func)");
-        }
+        if (a.seqused_k != 0) return Status::error("fagen: seqused_k has no backward (give the keys by cu_seqlens_k)");
+        if (Status s = check_varlen(a); !s.ok()) return s;
         if (a.batch <= 0 || a.seqlen_q <= 0 || a.heads_q <= 0 || a.seqlen_k <= 0 || a.heads_kv <= 0 ||
             a.heads_q % a.heads_kv != 0) {
             return Status::error("fagen: the backward needs batch, seqlen_q, seqlen_k >= 1 and heads_q (" +
@@ -1158,20 +1171,27 @@ public:
             return Status::error("fagen: mask_mod=" + a.mask_mod + ": the deterministic mode takes the built-in masks "
                                  "only (its dQ order follows their key ranges)");
         }
-        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v), a.seqlen_k);
+        auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
+                                                a.varlen() ? "varlen" : "dense"),
+                                   a.seqlen_k);
         if (!kernel.ok()) return kernel.status();
-        const auto [q, k, v, o] = strides_of(a);
-        const Strides dout = a.dout_strides.value_or(o);
-        const Strides dq = a.dq_strides.value_or(q);
-        const Strides dk = a.dk_strides.value_or(k);
-        const Strides dv = a.dv_strides.value_or(v);
+        auto [q, k, v, o] = strides_of(a);
+        Strides dout = a.dout_strides.value_or(o);
+        Strides dq = a.dq_strides.value_or(q);
+        Strides dk = a.dk_strides.value_or(k);
+        Strides dv = a.dv_strides.value_or(v);
+        if (a.varlen()) {  // packed: no batch stride
+            for (Strides* s : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) s->batch = 0;
+        }
         const bool tma = kernel.value()->uses_tma();
         // (name, pointer, strides, read by TMA in a TMA kernel)
         const std::tuple<const char*, CUdeviceptr, Strides, bool> tensors[] = {
             {"q", a.q, q, true}, {"k", a.k, k, true}, {"v", a.v, v, true}, {"out", a.out, o, false},
             {"dout", a.dout, dout, true}, {"dq", a.dq, dq, false}, {"dk", a.dk, dk, false}, {"dv", a.dv, dv, false}};
         for (const auto& [name, data, strides, loaded] : tensors) {
-            if (Status s = check_tensor(name, data, strides, tma && loaded); !s.ok()) return s;
+            Strides checked = strides;
+            if (a.varlen()) checked.batch = checked.row;  // a packed tensor has no batch stride to check
+            if (Status s = check_tensor(name, data, checked, tma && loaded); !s.ok()) return s;
         }
         float* workspace = reinterpret_cast<float*>(a.workspace);
         FagenBwdParams p{};
@@ -1200,6 +1220,13 @@ public:
             field[2] = tensor->head;
         }
         fill_problem(p, a, scale.value(), mask.value());
+        if (a.varlen()) {
+            p.lse_batch_stride = 0;
+            p.lse_head_stride = a.total_q;
+            p.cu_seqlens_q = reinterpret_cast<const int*>(a.cu_seqlens_q);
+            p.cu_seqlens_k = reinterpret_cast<const int*>(a.cu_seqlens_k);
+            p.total_q = static_cast<int>(a.total_q);
+        }
         p.softmax_scale = a.softmax_scale.has_value() ? *a.softmax_scale
                                                       : static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
         if (!tma) return kernel.value()->launch_backward(p, nullptr, stream);

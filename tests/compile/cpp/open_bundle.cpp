@@ -24,7 +24,9 @@
 //                                       print backward_workspace's offsets, floats, semaphores
 //                                       and the backward row grid
 //   open_bundle --varlen-tma-maps DTYPE BATCH MAX_Q MAX_K HEADS_Q HEADS_KV HEAD_DIM HEAD_DIM_V Q_ROWS KV_ROWS
-//               Q K V TOTAL_Q TOTAL_K   (a varlen call's maps over the packed rows)
+//               Q K V TOTAL_Q TOTAL_K [DOUT DQ_ACCUM]   (a varlen call's maps over the packed rows)
+//   open_bundle --workspace-varlen BATCH HEADS_Q TOTAL_Q MAX_SEQLEN_Q HEAD_DIM BLOCK_M
+//                                       print backward_workspace_varlen's offsets, floats, semaphores, rows
 //   open_bundle --tma-maps DTYPE BATCH SEQLEN_Q SEQLEN_K HEADS_Q HEADS_KV HEAD_DIM HEAD_DIM_V Q_ROWS KV_ROWS
 //                          Q K V [DOUT DQ_ACCUM]
 //                                       print, one line per map (q, k, v; with DOUT and DQ_ACCUM,
@@ -97,11 +99,11 @@ static int print_tma_maps(int argc, char** argv) {
     print_map("q", qkv[0]);
     print_map("k", qkv[1]);
     print_map("v", qkv[2]);
-    if (argc == 17 && !varlen) {
-        std::tie(a.dout, a.dout_strides) = parse_tensor(argv[15]);
+    if ((argc == 17 && !varlen) || argc == 19) {
+        std::tie(a.dout, a.dout_strides) = parse_tensor(argv[varlen ? 17 : 15]);
         const fagen::Strides dout =
             a.dout_strides.value_or(fagen::Strides::contiguous(a.seqlen_q, a.heads_q, a.value_dim()));
-        const CUdeviceptr dq_accum = static_cast<CUdeviceptr>(std::strtoull(argv[16], nullptr, 10));
+        const CUdeviceptr dq_accum = static_cast<CUdeviceptr>(std::strtoull(argv[varlen ? 18 : 16], nullptr, 10));
         const std::array<fagen::TensorMapArgs, 2> extra = fagen::bwd_extra_map_args(a, dout, dq_accum, q_rows);
         print_map("dout", extra[0]);
         print_map("dq_accum", extra[1]);
@@ -111,7 +113,7 @@ static int print_tma_maps(int argc, char** argv) {
 
 int main(int argc, char** argv) {
     if ((argc == 15 || argc == 17) && std::strcmp(argv[1], "--tma-maps") == 0) return print_tma_maps(argc, argv);
-    if (argc == 17 && std::strcmp(argv[1], "--varlen-tma-maps") == 0) return print_tma_maps(argc, argv);
+    if ((argc == 17 || argc == 19) && std::strcmp(argv[1], "--varlen-tma-maps") == 0) return print_tma_maps(argc, argv);
     if (argc == 4 && std::strcmp(argv[1], "--scale") == 0) {
         std::optional<float> scale;
         if (std::strcmp(argv[2], "default") != 0) scale = std::strtof(argv[2], nullptr);
@@ -164,6 +166,14 @@ int main(int argc, char** argv) {
         const fagen::GridDims g = fagen::combine_grid(v[5], v[6], v[7]);
         std::printf("%d %lld %lld %lld %lld %lld %lld\n", fagen::split_count(v[0], v[1], v[2], v[3]), w.o_partial,
                     w.lse_partial, w.floats, g.x, g.y, g.z);
+        return 0;
+    }
+    if (argc == 8 && std::strcmp(argv[1], "--workspace-varlen") == 0) {
+        const fagen::BackwardWorkspace w = fagen::backward_workspace_varlen(
+            std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), std::atoll(argv[6]),
+            std::atoi(argv[7]));
+        std::printf("%lld %lld %lld %lld %lld %lld %lld\n", w.dq_accum, w.softmax_d, w.lse_log2, w.sink_partials,
+                    w.floats, w.semaphores, fagen::varlen_accum_rows(std::atoll(argv[4]), std::atoll(argv[2])));
         return 0;
     }
     if (argc == 7 && std::strcmp(argv[1], "--workspace") == 0) {
