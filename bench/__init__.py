@@ -14,3 +14,13 @@ def cuda_missing(tool: str) -> bool:
         return False
     print(f"{tool}: needs a CUDA device (torch {torch.__version__} sees none)", file=sys.stderr)
     return True
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """A benchmark's rows as JSON at `path`, with the device and torch they ran on."""
+    import json
+
+    import torch
+
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

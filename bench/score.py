@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 
 import torch
 
-from bench import cuda_missing
+from bench import cuda_missing, write_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.attention import HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples, tflops
@@ -176,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(measure(variant, head_dim, window, seqlen, bundle, args.direction, args.repeats, fa4))
                     print(f"measured {rows[-1]}", flush=True)
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(args.json_path, rows)
     print(format_table(rows))
     return 0
 

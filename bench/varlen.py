@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import random
 import statistics
 import sys
 
 import torch
 
-from bench import cuda_missing
+from bench import cuda_missing, write_rows
 from bench.attention import DIRECTION_FLOPS, HIDDEN, _int_list, median_ms, rotating_samples, tflops
+from bench.window import timed
 from fagen.torch import flash_attn_func, flash_attn_varlen_func, get_bundle
 
 
@@ -55,20 +55,14 @@ def measure(kind: str, head_dim: int, seqlen: int, tokens: int, bundle, directio
     dense = [torch.randn(batch, longest, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
              for _ in range(3)]
 
-    def varlen():
+    def varlen(q, k, v):
         return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, bundle=bundle)
 
-    def padded():
-        return flash_attn_func(*dense, causal=True, bundle=bundle)
+    def padded(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, bundle=bundle)
 
-    contenders = {}
-    for name, call, inputs in (("varlen", varlen, (q, k, v)), ("dense", padded, tuple(dense))):
-        if direction == "fwd":
-            contenders[name] = call
-        else:
-            out = call()
-            dout = torch.randn_like(out)
-            contenders[name] = functools.partial(torch.autograd.grad, out, inputs, dout, retain_graph=True)
+    contenders = {"varlen": timed(direction, varlen, q, k, v, torch.randn_like(q)),
+                  "dense": timed(direction, padded, *dense, torch.randn_like(dense[0]))}
     row = {"kind": kind, "head_dim": head_dim, "seqlen": seqlen, "sequences": len(lengths), "tokens": total,
            "direction": direction, "errors": {}}
     samples = rotating_samples({n: functools.partial(median_ms, fn) for n, fn in contenders.items()},
@@ -113,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(kind, head_dim, seqlen, args.tokens, bundle, args.direction, args.repeats))
                 print(f"measured {rows[-1]}", flush=True)
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(args.json_path, rows)
     print(format_table(rows))
     return 0
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 
 import torch
 
-from bench import cuda_missing
+from bench import cuda_missing, write_rows
 from bench.attention import DIRECTION_FLOPS, HIDDEN, _int_list, median_ms, rotating_samples, tflops
 from fagen.torch import flash_attn_func, get_bundle
 
@@ -135,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(head_dim, seqlen, window, bundle, args.direction, args.repeats))
                 print(f"measured {rows[-1]}", flush=True)
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(args.json_path, rows)
     print(format_table(rows))
     return 0
 

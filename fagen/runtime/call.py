@@ -384,8 +384,6 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
         raise AttentionError(f"nheads_q={problem.heads_q} and batch={problem.batch} must each be "
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")
     tma = entry.launch.tma_q_rows > 0
-    if varlen is not None:
-        q, k, v, out = _packed(q), _packed(k), _packed(v), _packed(out)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1), tma)
     _check_tensor("out", out, False)

@@ -97,15 +97,19 @@ def _check_cache(problem: Problem, cache: KvCache, entry: KernelEntry) -> None:
         raise AttentionError(f"total_q={cache.total_q}: packed q's row count")
 
 
-def split_count_for(bundle: Bundle, problem: Problem, device: int = 0,
-                    entry: KernelEntry | None = None) -> int:
+def split_count_for(bundle: Bundle, problem: Problem, device: int = 0) -> int:
     """The split count a paged-layout call of `problem` gets with num_splits=0: from its shapes
     and the device's SMs alone (contract.split_count), so one decided before a CUDA graph's
     capture holds for every replay (flash-attn's get_scheduler_metadata)."""
     check_problem(problem)
-    entry = entry or bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k)
+    entry = bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k)
     one_split = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                             problem.seqlen_k, problem.heads_kv)
+    return _split_count(entry, problem, device, one_split)
+
+
+def _split_count(entry: KernelEntry, problem: Problem, device: int, one_split: tuple[int, int, int]) -> int:
+    """contract.split_count of a launch whose one-split grid is `one_split`."""
     return contract.split_count(one_split[1] * one_split[2], problem.seqlen_k,
                                 driver.multiprocessor_count(device), entry.launch.min_split_keys)
 
@@ -140,7 +144,7 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
         raise AttentionError(f"batch={problem.batch} and the query blocks x nheads_kv ({one_split[1]}) "
                              f"must each be at most {MAX_GRID_YZ} (CUDA grid limit)")
     if num_splits == 0:
-        num_splits = split_count_for(bundle, problem, device, entry)
+        num_splits = _split_count(entry, problem, device, one_split)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv, num_splits)
     params = fwd_params(problem, q, k, v, out, scale, score_tensors)

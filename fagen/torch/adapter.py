@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract, paths
 from ..contract import ALIGNMENT_BYTES, STRIDE_MULTIPLE
@@ -71,6 +72,23 @@ def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
             _bundles[path] = load(path)
         _bundles_by_request[request] = _bundles[path]
         return _bundles[path]
+
+
+def bundle_argument(bundle) -> Optional[str]:
+    """A call's `bundle=` as the custom ops carry it: a directory or packed file's path, a loaded
+    Bundle by its path (registered with get_bundle, which then returns it), or None."""
+    if isinstance(bundle, Bundle):
+        get_bundle(bundle)
+        return str(bundle.path)
+    return None if bundle is None else os.fspath(bundle)
+
+
+def eager_call(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call on these tensors runs the kernels directly: not traced (torch.compile,
+    export), under no dispatch mode (fake tensors), and on plain tensors (no subclasses); the
+    others go through the custom ops."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(t is None or type(t) is torch.Tensor for t in tensors))
 
 
 def kernel_key(dtype: torch.dtype, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract
 from ..runtime import Bundle
-from .adapter import _flash_attn_fwd, flash_attn_fwd, get_bundle
+from .adapter import _flash_attn_fwd, bundle_argument, eager_call, flash_attn_fwd
 from .backward import FlashAttention
 
 # flash-attn's flash_attn_func options fagen does not implement, with the value that means "off":
@@ -133,23 +132,14 @@ def flash_attn_func(
     if not isinstance(deterministic, bool):
         raise TypeError(f"fagen.flash_attn_func: deterministic must be True or False, got "
                         f"{deterministic!r}")
-    if isinstance(bundle, Bundle):
-        get_bundle(bundle)
-        bundle = str(bundle.path)
-    elif bundle is not None:
-        bundle = os.fspath(bundle)
+    bundle = bundle_argument(bundle)
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"fagen.flash_attn_func: softmax_scale must be a number or None, got "
                             f"{softmax_scale!r}")
         softmax_scale = float(softmax_scale)
         contract.kernel_scale_log2(softmax_scale, q.shape[-1])  # refused before tracing or launch
-    eager = (
-        not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-        and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink, mask_args))
-    )
+    eager = eager_call(q, k, v, alibi_slopes, learnable_sink, mask_args)
     arguments = (q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
                  softmax_scale, bundle, deterministic, mask_mod, mask_args)
     if not eager:

@@ -60,22 +60,32 @@ def _flash_attn_bwd(
     with driver.primary_context(device):
         q, k, v, out, dout = (_kernel_ready(t) for t in (q, k, v, out, dout))
         lse = lse.contiguous()
-        sizes = runtime_call.backward_workspace(entry, problem)
-        workspace = torch.empty(sizes.floats, dtype=torch.float32, device=q.device)
-        semaphores = (torch.zeros(sizes.semaphores, dtype=torch.int32, device=q.device)
-                      if deterministic else None)
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
-        arrays, _copies = _score_arrays(alibi_slopes, learnable_sink, mask_args)  # alive until the launch is enqueued
-        if learnable_sink is not None:
-            arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
-        runtime_call.attention_backward(
-            kernels, problem, tensors, workspace=workspace.data_ptr(),
-            semaphores=0 if semaphores is None else semaphores.data_ptr(),
-            softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
-            entry=entry, score_tensors=arrays)
+        enqueue_backward(kernels, entry, problem, tensors, dsink, alibi_slopes, learnable_sink, mask_args,
+                         softmax_scale, deterministic, device)
     return dq, dk, dv, dsink
+
+
+def enqueue_backward(kernels, entry, problem: runtime_call.Problem, tensors: runtime_call.BackwardTensors,
+                     dsink: torch.Tensor, alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                     mask_args: Optional[torch.Tensor], softmax_scale: Optional[float], deterministic: bool,
+                     device: int, varlen: Optional[runtime_call.Varlen] = None) -> None:
+    """The backward's kernels on torch's current stream (the device's primary context current):
+    its workspace (and the deterministic mode's zeroed semaphores) from torch's allocator, the
+    modifiers' arrays with dsink, for a dense or (with `varlen`) a varlen problem."""
+    sizes = runtime_call.backward_workspace(entry, problem, None if varlen is None else varlen.total_q)
+    workspace = torch.empty(sizes.floats, dtype=torch.float32, device=dsink.device)
+    semaphores = torch.zeros(sizes.semaphores, dtype=torch.int32, device=dsink.device) if deterministic else None
+    arrays, _copies = _score_arrays(alibi_slopes, learnable_sink, mask_args)  # alive until the launch is enqueued
+    if learnable_sink is not None:
+        arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
+    runtime_call.attention_backward(
+        kernels, problem, tensors, workspace=workspace.data_ptr(),
+        semaphores=0 if semaphores is None else semaphores.data_ptr(),
+        softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
+        entry=entry, score_tensors=arrays, varlen=varlen)
 
 
 flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)

@@ -7,17 +7,15 @@ block tables (the split count follows the cache's capacity, not its lengths).
 """
 
 # No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
-import os
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract
 from ..runtime import driver
 from ..runtime import call as runtime_call
 from ..runtime import kvcache as runtime_kvcache
-from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, get_bundle
+from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
 
 _NAME = "fagen.flash_attn_with_kvcache"
 
@@ -202,16 +200,11 @@ def flash_attn_with_kvcache(
         raise _fail(str(error)) from None
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
-    if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
-        get_bundle(bundle)  # a loaded Bundle: its path, which the op can carry
-        bundle = str(bundle.path)
-    elif bundle is not None:
-        bundle = os.fspath(bundle)
+    bundle = bundle_argument(bundle)
     arguments = (q, k_cache, v_cache, seqused, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
                  seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale,
                  float(softcap), num_splits, bundle)
-    eager = (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-             and all(t is None or type(t) is torch.Tensor for t in arguments[:8]))
+    eager = eager_call(*arguments[:8])
     out, lse = (_attend if eager else flash_attn_kvcache)(*arguments)
     return (out, lse) if return_softmax_lse else out
 

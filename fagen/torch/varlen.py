@@ -10,16 +10,15 @@ are read on the device from cu_seqlens, and tiles past a sequence's end do no wo
 
 # No `from __future__ import annotations`: torch.library reads the ops' annotations as objects.
 import math
-import os
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract
 from ..runtime import call as runtime_call
 from ..runtime import driver
-from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, get_bundle
+from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
+from .backward import enqueue_backward
 
 _NAME = "fagen.flash_attn_varlen_func"
 
@@ -118,22 +117,12 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     entry = runtime_call.select_backward(kernels, problem, device)
     dout = _rows(dout, "dout")
     with driver.primary_context(device):
-        sizes = runtime_call.backward_workspace(entry, problem, q.shape[0])
-        workspace = torch.empty(sizes.floats, dtype=torch.float32, device=q.device)
-        semaphores = (torch.zeros(sizes.semaphores, dtype=torch.int32, device=q.device)
-                      if deterministic else None)
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
-        arrays, _kept = _score_arrays(alibi_slopes, learnable_sink)
-        if learnable_sink is not None:
-            arrays = runtime_call.ScoreTensors(arrays.alibi_slopes, arrays.alibi_batch_stride, arrays.sinks,
-                                               dsink.data_ptr())
         varlen = runtime_call.Varlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), q.shape[0], k.shape[0])
-        runtime_call.attention_backward(
-            kernels, problem, tensors, workspace=workspace.data_ptr(),
-            semaphores=0 if semaphores is None else semaphores.data_ptr(), softmax_scale=softmax_scale,
-            stream=_current_stream(device), device=device, entry=entry, score_tensors=arrays, varlen=varlen)
+        enqueue_backward(kernels, entry, problem, tensors, dsink, alibi_slopes, learnable_sink, None, softmax_scale,
+                         deterministic, device, varlen)
     return dq, dk, dv, dsink
 
 
@@ -176,11 +165,14 @@ def _op_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
 
-def _needed(ctx, grads, learnable_sink) -> tuple:
-    """dq, dk, dv, dsink in the sink's dtype: those autograd needs (q, k, v are inputs 0-2, the
-    sink input 7 of the op, 4 of the eager Function)."""
+def _input_grads(ctx, grads, learnable_sink) -> tuple:
+    """The gradients of the op's (and the eager Function's) inputs: dq, dk, dv (inputs 0-2) and
+    dsink in the sink's dtype (input 7) where autograd needs them, None for the rest."""
     dq, dk, dv, dsink = grads
-    return dq, dk, dv, None if learnable_sink is None else dsink.to(learnable_sink.dtype)
+    needed = ctx.needs_input_grad
+    dsink = None if learnable_sink is None or not needed[7] else dsink.to(learnable_sink.dtype)
+    return (dq if needed[0] else None, dk if needed[1] else None, dv if needed[2] else None, None, None, None, None,
+            dsink, *(None,) * len(ctx.options))
 
 
 def _op_setup_context(ctx, inputs, output) -> None:
@@ -195,10 +187,7 @@ def _op_autograd(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
     grads = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
                                   *ctx.options)
-    dq, dk, dv, dsink = _needed(ctx, grads, learnable_sink)
-    needed = ctx.needs_input_grad
-    return (dq if needed[0] else None, dk if needed[1] else None, dv if needed[2] else None, None, None, None, None,
-            dsink if needed[7] else None, *(None,) * len(ctx.options))
+    return _input_grads(ctx, grads, learnable_sink)
 
 
 flash_attn_varlen_fwd.register_autograd(_op_autograd, setup_context=_op_setup_context)
@@ -219,10 +208,7 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink = ctx.saved_tensors
         grads = _op_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
                              *ctx.options)
-        dq, dk, dv, dsink = _needed(ctx, grads, learnable_sink)
-        needed = ctx.needs_input_grad
-        return (dq if needed[0] else None, dk if needed[1] else None, dv if needed[2] else None, None, None, None,
-                None, dsink if needed[7] else None, *(None,) * len(ctx.options))
+        return _input_grads(ctx, grads, learnable_sink)
 
 
 def flash_attn_varlen_func(
@@ -303,11 +289,7 @@ def flash_attn_varlen_func(
         softmax_scale = float(softmax_scale)
     if not isinstance(deterministic, bool):
         raise _fail(f"deterministic must be True or False, got {deterministic!r}", TypeError)
-    if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
-        get_bundle(bundle)  # a loaded Bundle: its path, which the op can carry
-        bundle = str(bundle.path)
-    elif bundle is not None:
-        bundle = os.fspath(bundle)
+    bundle = bundle_argument(bundle)
     arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
                  max_seqlen_k, causal, window[0], window[1], softmax_scale, float(softcap), deterministic, bundle)
     wants_grad = torch.is_grad_enabled() and (
@@ -316,8 +298,7 @@ def flash_attn_varlen_func(
     if wants_grad and seqused_k is not None:
         raise _fail("seqused_k has no backward (give each sequence's keys through cu_seqlens_k)",
                     NotImplementedError)
-    eager = (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-             and all(t is None or type(t) is torch.Tensor for t in arguments[:8]))
+    eager = eager_call(*arguments[:8])
     if not eager:
         out, lse = flash_attn_varlen_fwd(*arguments)
     elif wants_grad:

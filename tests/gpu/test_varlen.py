@@ -50,8 +50,8 @@ def varlen_bundle(request, bundle):
     return bundle if request.param[1] is None else get_bundle(request.param[1])
 
 
-def require(bundle, direction, dtype, head_dim, mask):
-    key = contract.kernel_key(direction, dtype, head_dim, mask, layout="varlen")
+def require(bundle, direction, dtype, head_dim, mask, layout="varlen"):
+    key = contract.kernel_key(direction, dtype, head_dim, mask, layout=layout)
     try:
         return bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:
@@ -179,11 +179,7 @@ def test_varlen_equals_dense(varlen_bundle):
 
 def test_varlen_paged_call(bundle):
     """vLLM's call shape: packed queries over a paged cache through block_table and seqused_k."""
-    try:
-        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
-                      torch.cuda.get_device_capability())
-    except KernelNotFound as exc:
-        pytest.skip(str(exc).splitlines()[0])
+    require(bundle, "fwd", "bf16", 128, "local", layout="paged")
     lens, new, page = [37, 300, 1], [3, 1, 2], 16
     heads_q, heads_kv, d = 8, 2, 128
     pages = sum(-(-n // page) for n in lens) + 2
@@ -217,11 +213,7 @@ def test_varlen_refusals(bundle):
 def test_merge_prefix_and_suffix(bundle):
     """A decode step over a shared prefix and each row's own keys, merged (cascade attention),
     against the step over the whole cache."""
-    try:
-        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
-                      torch.cuda.get_device_capability())
-    except KernelNotFound as exc:
-        pytest.skip(str(exc).splitlines()[0])
+    require(bundle, "fwd", "bf16", 128, "local", layout="paged")
     from fagen.torch import merge_attention_states
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -242,11 +234,7 @@ def test_merge_prefix_and_suffix(bundle):
 
 def test_scheduler_metadata(bundle):
     """get_scheduler_metadata's split count is what flash_attn_with_kvcache then runs."""
-    try:
-        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
-                      torch.cuda.get_device_capability())
-    except KernelNotFound as exc:
-        pytest.skip(str(exc).splitlines()[0])
+    require(bundle, "fwd", "bf16", 128, "local", layout="paged")
     from fagen.torch import get_scheduler_metadata
 
     batch, capacity, heads_q, heads_kv, d = 2, 8192, 32, 8, 128
@@ -287,11 +275,7 @@ def test_varlen_under_torch_compile(bundle):
 def test_kvcache_under_torch_compile(bundle):
     """torch.compile(fullgraph=True) of a decode step with appends (the custom op
     fagen::flash_attn_kvcache after traced index writes): the eager step's output and cache."""
-    try:
-        bundle.select(contract.kernel_key("fwd", "bf16", 128, "local", layout="paged"),
-                      torch.cuda.get_device_capability())
-    except KernelNotFound as exc:
-        pytest.skip(str(exc).splitlines()[0])
+    require(bundle, "fwd", "bf16", 128, "local", layout="paged")
     gen = torch.Generator(device="cuda").manual_seed(17)
     batch, pages, page, heads_q, heads_kv, d = 3, 64, 16, 8, 2, 128
     table = torch.randperm(pages, device="cuda", generator=gen)[:batch * 20].view(batch, 20).to(torch.int32)

@@ -982,25 +982,8 @@ public:
 
         auto [q, k, v, o] = strides_of(a);
         if (a.varlen()) q.batch = k.batch = v.batch = o.batch = 0;  // packed: never used
-        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
-            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
-        for (const auto& [name, tensor] : tensors) {
-            Strides checked = tensor.second;
-            if (a.varlen()) checked.batch = checked.row;  // a packed tensor has no batch stride to check
-            if (Status s = check_tensor(name, tensor.first, checked, tma); !s.ok()) return s;
-        }
-
-        FagenFwdParams p{};
-        p.q = reinterpret_cast<const void*>(a.q);
-        p.k = reinterpret_cast<const void*>(a.k);
-        p.v = reinterpret_cast<const void*>(a.v);
-        p.o = reinterpret_cast<void*>(a.out);
-        p.lse = reinterpret_cast<float*>(a.lse);
-        p.q_batch_stride = q.batch; p.q_row_stride = q.row; p.q_head_stride = q.head;
-        p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
-        p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
-        p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
-        fill_problem(p, a, scale.value(), mask.value());
+        if (Status s = check_forward_tensors(a, q, k, v, o, tma); !s.ok()) return s;
+        FagenFwdParams p = forward_params(a, q, k, v, o, scale.value(), mask.value());
         if (a.varlen()) {
             p.lse_batch_stride = 0;
             p.lse_head_stride = a.total_q;
@@ -1080,27 +1063,13 @@ public:
         if (!splits.ok()) return splits.status();
         auto [q, k, v, o] = strides_of(a);
         if (a.cu_seqlens_q != 0) q.batch = o.batch = 0;
-        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
-            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
-        for (const auto& [name, tensor] : tensors) {
-            if (Status s = check_tensor(name, tensor.first, tensor.second, false); !s.ok()) return s;
-        }
+        if (Status s = check_forward_tensors(a, q, k, v, o, false); !s.ok()) return s;
         const SplitWorkspace layout = split_workspace(splits.value(), a.batch, a.seqlen_q, a.heads_q, a.value_dim());
         if (layout.floats > 0 && (a.workspace == 0 || a.workspace % 16 != 0)) {
             return Status::error("fagen: " + std::to_string(splits.value()) + " splits need a 16-byte aligned workspace of " +
                                  std::to_string(sizeof(float) * layout.floats) + " bytes (kvcache_workspace_bytes)");
         }
-        FagenFwdParams p{};
-        p.q = reinterpret_cast<const void*>(a.q);
-        p.k = reinterpret_cast<const void*>(a.k);
-        p.v = reinterpret_cast<const void*>(a.v);
-        p.o = reinterpret_cast<void*>(a.out);
-        p.lse = reinterpret_cast<float*>(a.lse);
-        p.q_batch_stride = q.batch; p.q_row_stride = q.row; p.q_head_stride = q.head;
-        p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
-        p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
-        p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
-        fill_problem(p, a, scale.value(), mask.value());
+        FagenFwdParams p = forward_params(a, q, k, v, o, scale.value(), mask.value());
         if (a.cu_seqlens_q != 0) {
             p.lse_batch_stride = 0;
             p.lse_head_stride = a.total_q;
@@ -1373,6 +1342,36 @@ private:
             if (data % 4 != 0) return Status::error(std::string("fagen: ") + name + " must be a 4-byte aligned fp32 device array");
         }
         return Status();
+    }
+
+    // q, k, v and out of a forward (a varlen call's packed tensors have no batch stride to check).
+    static Status check_forward_tensors(const Attention& a, const Strides& q, const Strides& k, const Strides& v,
+                                        const Strides& o, bool tma) {
+        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
+            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
+        for (const auto& [name, tensor] : tensors) {
+            Strides checked = tensor.second;
+            if (a.varlen()) checked.batch = checked.row;
+            if (Status s = check_tensor(name, tensor.first, checked, tma); !s.ok()) return s;
+        }
+        return Status();
+    }
+
+    // FagenFwdParams of a forward: the tensors, their strides and fill_problem's fields.
+    static FagenFwdParams forward_params(const Attention& a, const Strides& q, const Strides& k, const Strides& v,
+                                         const Strides& o, const KernelScale& scale, const CallMask& mask) {
+        FagenFwdParams p{};
+        p.q = reinterpret_cast<const void*>(a.q);
+        p.k = reinterpret_cast<const void*>(a.k);
+        p.v = reinterpret_cast<const void*>(a.v);
+        p.o = reinterpret_cast<void*>(a.out);
+        p.lse = reinterpret_cast<float*>(a.lse);
+        p.q_batch_stride = q.batch; p.q_row_stride = q.row; p.q_head_stride = q.head;
+        p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
+        p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
+        p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
+        fill_problem(p, a, scale, mask);
+        return p;
     }
 
     // The fields FagenFwdParams and FagenBwdParams share: the LSE's layout (batch, heads_q,
