@@ -1,5 +1,7 @@
 """Decode (one to a few new query tokens over a KV cache): fagen's flash_attn_with_kvcache,
-contiguous and paged, against SDPA's FlashAttention-2 and cuDNN in the same process.
+contiguous and paged, against SDPA's FlashAttention-2 and cuDNN in the same process, and
+flash-attn-4 (CuTe DSL; its flash_attn_varlen_func with seqused_k, and page_table for the paged
+rows, its own split heuristic) where it is importable (../shared/BENCHMARKS.md installs it).
 
 GB/s of K and V read (../shared/BENCHMARKS.md: 2 * batch * seqlen_k * nheads_kv * head_dim *
 element bytes / time). Every contender runs as a replayed CUDA graph (what a decoding server
@@ -32,6 +34,15 @@ from fagen.torch.adapter import _current_stream
 
 ROWS = ((1, 65536), (16, 65536), (64, 1024), (64, 4096), (64, 16384), (128, 4096))
 PEERS = {"FA2": SDPBackend.FLASH_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
+
+
+def flash_attn_4_varlen():
+    """flash-attn-4's flash_attn_varlen_func, or None where it is not importable."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
+        return None
+    return flash_attn_varlen_func
 
 
 def graphed(fn):
@@ -68,18 +79,31 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
             "last", flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
                                             causal=True, bundle=bundle))
 
+    fa4 = flash_attn_4_varlen()
+
+    def fa4_call(k_cache, v_cache, table):
+        def call():
+            out = fa4(q, k_cache, v_cache, seqused_k=lengths, page_table=table, causal=True, num_splits=0)
+            return out[0] if isinstance(out, tuple) else out
+        return call
+
     calls = {"fagen": fagen_call(k, v, None)}
     for page_size in page_sizes:
         k_pages, table = paged(k, page_size, gen)
         v_pages = torch.empty_like(k_pages)
         v_pages[table.view(-1).long()] = v.reshape(-1, page_size, heads_kv, head_dim)
         calls[f"fagen-p{page_size}"] = fagen_call(k_pages, v_pages, table)
+        if fa4 is not None:
+            calls[f"FA4-p{page_size}"] = fa4_call(k_pages, v_pages, table)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for name, backend in PEERS.items():
         def peer(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=seqlen_q > 1, enable_gqa=heads_q != heads_kv)
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=seqlen_q > 1,
+                                                      enable_gqa=heads_q != heads_kv).transpose(1, 2)
         calls[name] = peer
+    if fa4 is not None:
+        calls["FA4"] = fa4_call(k, v, None)
     reference = None
     for name, fn in calls.items():
         try:
@@ -90,12 +114,12 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
             if name == "fagen":
                 reference = outputs["last"].float()
             elif not name.startswith("fagen"):
-                out = fn().transpose(1, 2).float()
+                out = fn().float()
                 if reference is not None and (out - reference).abs().max().item() > 2e-2:
                     errors[name + " differs"] = f"{(out - reference).abs().max().item():.3g}"
             elif reference is not None and (outputs["last"].float() - reference).abs().max().item() > 2e-2:
                 errors[name + " differs"] = "from the contiguous cache's output"
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
             errors[name] = str(exc).splitlines()[0][:120]
     samples = rotating_samples(contenders, repeats, errors)
     bytes_read = 2 * batch * seqlen_k * heads_kv * head_dim * 2
@@ -139,7 +163,8 @@ def format_table(rows: list[dict]) -> str:
     names = []
     for row in rows:
         names += [n for n in row["gbps"] if n not in names]
-    peers = [n for n in names if not n.startswith("fagen")]
+    # Ratios of the contiguous cache's rows (FA4's paged rows are columns of their own).
+    peers = [n for n in names if not n.startswith("fagen") and "-p" not in n]
     header = ["hd", "heads", "sq", "batch", "seqlen_k", *names, *(f"÷{p}" for p in peers)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:

@@ -16,7 +16,8 @@ import ctypes
 # 6: FwdParams' serving fields (cu_seqlens_q ... lse_partial; contract.LAYOUTS).
 # 7: cu_seqlens_k (FwdParams), cu_seqlens_q, cu_seqlens_k and total_q (BwdParams): the varlen
 #    layout.
-ABI_VERSION = 7
+# 8: k_new, v_new, their strides and seqlen_new (FwdParams: a KV-cache call's append); MergeParams.
+ABI_VERSION = 8
 
 _c_longlong = ctypes.c_longlong
 
@@ -65,6 +66,10 @@ class FwdParams(ctypes.Structure):
         ("o_partial", ctypes.c_void_p),
         ("lse_partial", ctypes.c_void_p),
         ("cu_seqlens_k", ctypes.c_void_p),
+        ("k_new", ctypes.c_void_p),
+        ("v_new", ctypes.c_void_p),
+        *_strides("k_new", "v_new"),
+        ("seqlen_new", ctypes.c_int),
     ]
 
 
@@ -94,8 +99,25 @@ class BwdParams(ctypes.Structure):
     ]
 
 
+class MergeParams(ctypes.Structure):
+    _fields_ = [
+        ("out_a", ctypes.c_void_p),
+        ("lse_a", ctypes.c_void_p),
+        ("out_b", ctypes.c_void_p),
+        ("lse_b", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        *_strides("out_a", "out_b", "out"),
+        *[(f"lse_{t}_{dim}_stride", _c_longlong) for t in ("a", "b", "out") for dim in ("batch", "head")],
+        ("batch", ctypes.c_int),
+        ("seqlen", ctypes.c_int),
+        ("heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+    ]
+
+
 # The C name of each mirrored struct (params.h).
-C_STRUCT_NAMES = {FwdParams: "FagenFwdParams", BwdParams: "FagenBwdParams"}
+C_STRUCT_NAMES = {FwdParams: "FagenFwdParams", BwdParams: "FagenBwdParams", MergeParams: "FagenMergeParams"}
 C_STRUCT_NAME = C_STRUCT_NAMES[FwdParams]
 
 

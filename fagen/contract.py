@@ -365,13 +365,18 @@ DQ_ACCUM_ROW_ALIGN = 16
 SINK_PARTIAL_ROWS = 16
 
 
-# Split-KV kernels (grid `splits`): a second entry point, <name>_combine, merges the partial
-# results when num_splits > 1: a warp per (query token, query head), COMBINE_ROWS_PER_CTA of them
-# per CTA, grid (ceil(batch * seqlen_q * heads_q / COMBINE_ROWS_PER_CTA), 1, 1), no dynamic
-# shared memory.
+# Split-KV kernels (grid `splits`) carry three more entry points, each a warp per (batch row,
+# token, head), COMPANION_ROWS_PER_CTA of them per CTA, grid companion_grid, no dynamic shared
+# memory: <name>_combine merges the partial results when num_splits > 1 (FagenFwdParams; rows:
+# batch x seqlen_q x heads_q); <name>_append writes a call's new keys and values into the cache
+# before the attention (FagenFwdParams k_new ... seqlen_new; rows: batch x seqlen_new x
+# heads_kv); <name>_merge merges two attention results over disjoint key sets (FagenMergeParams,
+# any head dim that is a multiple of 8; rows: batch x seqlen x heads).
 SPLIT_COMBINE_SUFFIX = "_combine"
-COMBINE_ROWS_PER_CTA = 4
-COMBINE_THREADS = 128
+SPLIT_APPEND_SUFFIX = "_append"
+SPLIT_MERGE_SUFFIX = "_merge"
+COMPANION_ROWS_PER_CTA = 4
+COMPANION_THREADS = 128
 # The most splits of one (batch row, KV head, query block): the combine reads a partial row per
 # split, and 64 splits of 256 keys already cover 16k keys with 2 KV heads on 132 SMs in one wave.
 MAX_SPLITS = 64
@@ -421,8 +426,8 @@ class SplitWorkspace:
         return cls(o_partial=0, lse_partial=rows * head_dim_v, floats=rows * (head_dim_v + 1))
 
 
-def combine_grid(batch: int, seqlen_q: int, heads_q: int) -> tuple[int, int, int]:
-    return (-(-batch * seqlen_q * heads_q // COMBINE_ROWS_PER_CTA), 1, 1)
+def companion_grid(batch: int, rows: int, heads: int) -> tuple[int, int, int]:
+    return (-(-batch * rows * heads // COMPANION_ROWS_PER_CTA), 1, 1)
 
 
 def dq_accum_rows(seqlen_q: int) -> int:

@@ -5,8 +5,12 @@
 //                   [--window LEFT RIGHT]
 //                   [--softcap F] [--alibi] [--sinks]
 //                   [--batch 2] [--seqlen-q 300] [--seqlen-k 257] [--heads-q 4] [--heads-kv 2]
-//                   [--backward [--deterministic]] [--seed 0] [--tolerance T] [--dump DIR]
+//                   [--backward [--deterministic]] [--varlen] [--seed 0] [--tolerance T] [--dump DIR]
 //
+// --varlen runs the same problem as packed sequences (flash_attn_varlen_func's layout: the
+// batch's rows of equal lengths, cu_seqlens_q / cu_seqlens_k of them, the varlen kernels): the
+// tensors' bytes are the same, the LSE comes back as (heads_q, total_q) and is dumped as the
+// dense one.
 // The score modifiers (flash-attn's): --softcap F caps the scaled scores at F * tanh(score / F);
 // --alibi adds ALiBi's bias with the slopes 2^(-8 (h + 1) / heads_q); --sinks gives every query
 // head a sink logit 3 sin(h + 1) (and the backward its gradient). --head-dim-v N gives v and the
@@ -43,7 +47,7 @@ namespace {
 struct Options {
     std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
     fagen::DType dtype = fagen::DType::bf16;
-    bool causal = false, backward = false, deterministic = false;
+    bool causal = false, backward = false, deterministic = false, varlen = false;
     int window_left = -1, window_right = -1;  // flash-attn's window_size; -1: unbounded
     float softcap = 0.0f;                     // 0: none
     bool alibi = false, sinks = false;
@@ -64,6 +68,7 @@ bool parse(int argc, char** argv, Options& o) {
         else if (flag == "--deterministic") o.deterministic = true;
         else if (flag == "--alibi") o.alibi = true;
         else if (flag == "--sinks") o.sinks = true;
+        else if (flag == "--varlen") o.varlen = true;
         else if (!has_value) return false;
         else if (flag == "--window" && i + 2 < argc) {
             o.window_left = std::atoi(argv[++i]);
@@ -377,7 +382,7 @@ int main(int argc, char** argv) {
         fagen::call_mask(o.causal, o.window_left, o.window_right, o.seqlen_q, o.seqlen_k);
     if (!mask.ok()) return fail(mask.status().message());
     const std::string variant = fagen::variant_name(mask.value().kind, o.softcap > 0, o.alibi, o.sinks);
-    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, variant, o.head_dim_v), o.seqlen_k);
+    auto kernel = bundle->kernel(fagen::forward_key(o.dtype, o.head_dim, variant, o.head_dim_v, o.varlen ? "varlen" : "dense"), o.seqlen_k);
     if (!kernel.ok()) return fail(kernel.status().message());
     const char* kernel_name = kernel.value()->info().name;
 
@@ -436,6 +441,23 @@ int main(int argc, char** argv) {
             !s.ok())
             return fail(s.message());
     }
+    std::vector<int> cu_q, cu_k;  // equal lengths: row b's tokens from b * seqlen on
+    for (int b = 0; o.varlen && b <= o.batch; ++b) {
+        cu_q.push_back(b * o.seqlen_q);
+        cu_k.push_back(b * o.seqlen_k);
+    }
+    for (const auto& [pointer, offsets] : {std::pair<CUdeviceptr*, std::vector<int>*>{&a.cu_seqlens_q, &cu_q},
+                                           {&a.cu_seqlens_k, &cu_k}}) {
+        if (offsets->empty()) continue;
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, offsets->size() * 4), "cuMemAlloc"); !s.ok()) return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memcpy_htod(*pointer, offsets->data(), offsets->size() * 4), "cuMemcpyHtoD");
+            !s.ok())
+            return fail(s.message());
+    }
+    if (o.varlen) {
+        a.total_q = static_cast<long long>(o.batch) * o.seqlen_q;
+        a.total_k = static_cast<long long>(o.batch) * o.seqlen_k;
+    }
     CUstream stream = nullptr;  // the legacy default stream
     if (fagen::Status s = bundle->attention(a, stream); !s.ok()) return fail(s.message());
     if (fagen::Status s = cu.check(cu.stream_synchronize(stream), "cuStreamSynchronize"); !s.ok()) return fail(s.message());
@@ -446,6 +468,13 @@ int main(int argc, char** argv) {
         return fail(s.message());
     if (fagen::Status s = cu.check(cu.memcpy_dtoh(lse.data(), a.lse, lse_count * 4), "cuMemcpyDtoH(lse)"); !s.ok())
         return fail(s.message());
+    if (o.varlen) {  // (heads_q, total_q) -> (batch, heads_q, seqlen_q)
+        const std::vector<float> packed = lse;
+        for (int b = 0; b < o.batch; ++b)
+            for (int h = 0; h < o.heads_q; ++h)
+                for (int t = 0; t < o.seqlen_q; ++t)
+                    lse[(size_t(b) * o.heads_q + h) * o.seqlen_q + t] = packed[size_t(h) * a.total_q + size_t(b) * o.seqlen_q + t];
+    }
     std::vector<double> grad_errors;
     std::vector<std::vector<uint16_t>> grads;  // dout, dq, dk, dv
     std::vector<float> dsinks;
@@ -453,7 +482,7 @@ int main(int argc, char** argv) {
         if (fagen::Status s = run_backward(o, bundle.value(), a, q, k, v, rng, scale, grad_errors, grads, dsinks); !s.ok())
             return fail(s.message());
     }
-    for (CUdeviceptr pointer : {a.q, a.k, a.v, a.out, a.lse, a.alibi_slopes, a.sinks}) {
+    for (CUdeviceptr pointer : {a.q, a.k, a.v, a.out, a.lse, a.alibi_slopes, a.sinks, a.cu_seqlens_q, a.cu_seqlens_k}) {
         if (pointer) cu.mem_free(pointer);
     }
 

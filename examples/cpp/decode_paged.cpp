@@ -5,11 +5,13 @@
 //
 // Each row of the batch holds a prompt of a random length (1 ... 700 keys) in pages of
 // --page-size keys, taken from one pool in a random order through a block table (bf16). Then
-// --steps decode steps: per row one new token, whose key and value are written into the row's
-// next page slot (here with cuMemcpyHtoD; fagen.torch appends on the GPU) and whose query
-// attends to every key of its row, causal (Bundle::attention_kvcache: the split-KV kernel and,
-// when it splits the keys, its combine). Every step's output is checked against a CPU fp32
-// reference over the row's keys.
+// --steps decode steps: per row one new token, whose key and value the call appends into the
+// row's next page slot and whose query attends to every key of its row, causal
+// (Bundle::attention_kvcache: the append, the split-KV kernel and, when it splits the keys, its
+// combine). Every step's output is checked against a CPU fp32 reference over the row's keys.
+// After the last step, cascade attention: each row's keys as a head (its first pages) and a tail
+// (the rest, through a second block table), attended separately and merged
+// (Bundle::merge_attention_states), checked against the whole row's output.
 // Exit status: 0 when every step's max error (relative to the reference's largest |value|) is
 // within the tolerance, 1 when one is not, 2 when the run could not happen.
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "elements.hpp"
@@ -72,6 +75,64 @@ void fill_random(std::vector<uint16_t>& bits, std::vector<float>& values, std::m
 }
 
 }  // namespace
+
+// Cascade attention over the cache as the last step left it (`whole`: that step's output, bf16
+// bits): each row's first `head_pages` pages and the rest attended separately (the rest through a
+// block table shifted by head_pages), merged, compared with `whole`. Returns the max error
+// relative to max |whole|.
+fagen::Result<double> check_merge(fagen::Bundle& bundle, const fagen::Driver& cu, const fagen::KvCacheAttention& a,
+                                  const std::vector<int>& table, const std::vector<int>& lengths, int per_row,
+                                  const Options& o, const std::vector<uint16_t>& whole) {
+    const int head_pages = std::max(1, *std::min_element(lengths.begin(), lengths.end()) / 2 / o.page_size);
+    std::vector<int> head_lengths(o.batch), tail_lengths(o.batch), tail_table(table.size(), 0);
+    for (int b = 0; b < o.batch; ++b) {
+        head_lengths[b] = std::min(lengths[b], head_pages * o.page_size);
+        tail_lengths[b] = lengths[b] - head_lengths[b];
+        for (int j = head_pages; j < per_row; ++j) tail_table[size_t(b) * per_row + j - head_pages] = table[size_t(b) * per_row + j];
+    }
+    const size_t out_bytes = size_t(o.batch) * o.heads_q * o.head_dim * 2, lse_bytes = size_t(o.batch) * o.heads_q * 4;
+    fagen::KvCacheAttention head = a, tail = a;
+    head.seqlen_new = tail.seqlen_new = 0;  // the last step appended its keys already
+    CUdeviceptr merged = 0, tail_table_device = 0;
+    const std::pair<CUdeviceptr*, size_t> allocations[] = {
+        {&head.out, out_bytes}, {&head.lse, lse_bytes}, {&tail.out, out_bytes}, {&tail.lse, lse_bytes},
+        {&head.cache_seqlens, lse_bytes}, {&tail.cache_seqlens, lse_bytes}, {&tail_table_device, table.size() * 4},
+        {&merged, out_bytes}};
+    for (const auto& [pointer, bytes] : allocations) {
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return s;
+    }
+    tail.block_table = tail_table_device;
+    const std::tuple<CUdeviceptr, const void*, size_t> uploads[] = {
+        {head.cache_seqlens, head_lengths.data(), head_lengths.size() * 4},
+        {tail.cache_seqlens, tail_lengths.data(), tail_lengths.size() * 4},
+        {tail_table_device, tail_table.data(), tail_table.size() * 4}};
+    for (const auto& [to, from, bytes] : uploads) {
+        if (fagen::Status s = cu.check(cu.memcpy_htod(to, from, bytes), "cuMemcpyHtoD"); !s.ok()) return s;
+    }
+    if (fagen::Status s = bundle.attention_kvcache(head, nullptr); !s.ok()) return s;
+    if (fagen::Status s = bundle.attention_kvcache(tail, nullptr); !s.ok()) return s;
+    fagen::MergeStates m;
+    m.dtype = a.dtype;
+    m.batch = o.batch;
+    m.seqlen = 1;
+    m.heads = o.heads_q;
+    m.head_dim = o.head_dim;
+    m.out_a = head.out, m.lse_a = head.lse, m.out_b = tail.out, m.lse_b = tail.lse, m.out = merged;
+    if (fagen::Status s = bundle.merge_attention_states(m, nullptr); !s.ok()) return s;
+    std::vector<uint16_t> merged_bits(whole.size());
+    if (fagen::Status s = cu.check(cu.memcpy_dtoh(merged_bits.data(), merged, out_bytes), "cuMemcpyDtoH(merged)"); !s.ok())
+        return s;
+    for (const auto& [pointer, bytes] : allocations) cu.mem_free(*pointer);
+    double error = 0.0, size = 1e-30;
+    for (size_t i = 0; i < whole.size(); ++i) {
+        const double want = from_bf16(whole[i]), e = std::fabs(from_bf16(merged_bits[i]) - want);
+        error = std::isnan(e) ? INFINITY : std::max(error, e);
+        size = std::max(size, std::fabs(want));
+    }
+    std::printf("merge: head of %d page(s) + tail per row, max error %.3g against the whole rows' output\n",
+                head_pages, error / size);
+    return error / size;
+}
 
 int main(int argc, char** argv) {
     Options o;
@@ -131,10 +192,13 @@ int main(int argc, char** argv) {
     if (!workspace.ok()) return fail(workspace.status().message());
     auto splits = bundle->kvcache_splits(a);
     if (!splits.ok()) return fail(splits.status().message());
+    const size_t new_elements = size_t(o.batch) * row_elements;  // one new key (value) per row
+    a.seqlen_new = 1;
     const std::pair<CUdeviceptr*, size_t> allocations[] = {
         {&a.q, q_elements * 2}, {&a.out, q_elements * 2}, {&a.k, cache_elements * 2}, {&a.v, cache_elements * 2},
         {&a.block_table, table.size() * 4}, {&a.cache_seqlens, size_t(o.batch) * 4},
-        {&a.workspace, std::max<size_t>(workspace.value(), 16)}};
+        {&a.workspace, std::max<size_t>(workspace.value(), 16)}, {&a.k_new, new_elements * 2},
+        {&a.v_new, new_elements * 2}, {&a.lse, size_t(o.batch) * o.heads_q * 4}};
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
     }
@@ -152,28 +216,29 @@ int main(int argc, char** argv) {
                 splits.value());
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    std::vector<uint16_t> q_bits(q_elements), out_bits(q_elements), new_k(row_elements), new_v(row_elements);
-    std::vector<float> q_values(q_elements), new_k_values(row_elements), new_v_values(row_elements), probs;
+    std::vector<uint16_t> q_bits(q_elements), out_bits(q_elements), new_k(new_elements), new_v(new_elements);
+    std::vector<float> q_values(q_elements), new_k_values(new_elements), new_v_values(new_elements), probs;
     double worst = 0.0;
     for (int step = 0; step < o.steps; ++step) {
-        // The step's new token of every row: its key and value into the row's next slot.
+        // The step's new token of every row: the call appends its key and value at the row's
+        // length (cache_seqlens, uploaded before the append); the reference's copy goes there too.
+        fill_random(new_k, new_k_values, rng);
+        fill_random(new_v, new_v_values, rng);
         for (int b = 0; b < o.batch; ++b) {
-            fill_random(new_k, new_k_values, rng);
-            fill_random(new_v, new_v_values, rng);
-            const size_t at = slot(b, lengths[b]);
-            std::copy(new_k_values.begin(), new_k_values.end(), k_values.begin() + at);
-            std::copy(new_v_values.begin(), new_v_values.end(), v_values.begin() + at);
-            if (fagen::Status s = cu.check(cu.memcpy_htod(a.k + at * 2, new_k.data(), row_elements * 2), "cuMemcpyHtoD");
-                !s.ok()) return fail(s.message());
-            if (fagen::Status s = cu.check(cu.memcpy_htod(a.v + at * 2, new_v.data(), row_elements * 2), "cuMemcpyHtoD");
-                !s.ok()) return fail(s.message());
-            ++lengths[b];
+            const size_t at = slot(b, lengths[b]), from = size_t(b) * row_elements;
+            std::copy_n(new_k_values.begin() + from, row_elements, k_values.begin() + at);
+            std::copy_n(new_v_values.begin() + from, row_elements, v_values.begin() + at);
         }
         fill_random(q_bits, q_values, rng);
-        if (fagen::Status s = cu.check(cu.memcpy_htod(a.q, q_bits.data(), q_elements * 2), "cuMemcpyHtoD(q)"); !s.ok())
-            return fail(s.message());
-        if (fagen::Status s = cu.check(cu.memcpy_htod(a.cache_seqlens, lengths.data(), lengths.size() * 4), "cuMemcpyHtoD");
-            !s.ok()) return fail(s.message());
+        const std::tuple<CUdeviceptr, const void*, size_t, const char*> uploads[] = {
+            {a.q, q_bits.data(), q_elements * 2, "cuMemcpyHtoD(q)"},
+            {a.k_new, new_k.data(), new_elements * 2, "cuMemcpyHtoD(k_new)"},
+            {a.v_new, new_v.data(), new_elements * 2, "cuMemcpyHtoD(v_new)"},
+            {a.cache_seqlens, lengths.data(), lengths.size() * 4, "cuMemcpyHtoD(cache_seqlens)"}};
+        for (const auto& [to, from, bytes, what] : uploads) {
+            if (fagen::Status s = cu.check(cu.memcpy_htod(to, from, bytes), what); !s.ok()) return fail(s.message());
+        }
+        for (int& n : lengths) ++n;
         if (fagen::Status s = cu.check(cu.memset_d16(a.out, 0x7fc0, q_elements), "cuMemsetD16(out)"); !s.ok())
             return fail(s.message());  // NaN first: an element never written fails the check
         if (fagen::Status s = bundle->attention_kvcache(a, nullptr); !s.ok()) return fail(s.message());
@@ -206,8 +271,12 @@ int main(int argc, char** argv) {
         worst = std::max(worst, error / size);
         std::printf("step %d: max error %.3g (relative to max |reference| %.3g)\n", step, error / size, size);
     }
-    for (CUdeviceptr pointer : {a.q, a.out, a.k, a.v, a.block_table, a.cache_seqlens, a.workspace}) cu.mem_free(pointer);
-    const bool ok = worst <= o.tolerance;
-    std::printf("%s: worst step error %.3g, tolerance %.3g\n", ok ? "OK" : "FAILED", worst, o.tolerance);
+    auto merged = check_merge(*bundle, cu, a, table, lengths, per_row, o, out_bits);
+    if (!merged.ok()) return fail(merged.status().message());
+    for (CUdeviceptr pointer : {a.q, a.out, a.k, a.v, a.block_table, a.cache_seqlens, a.workspace, a.k_new, a.v_new, a.lse})
+        cu.mem_free(pointer);
+    const bool ok = worst <= o.tolerance && merged.value() <= o.tolerance;
+    std::printf("%s: worst step error %.3g, merge error %.3g, tolerance %.3g\n", ok ? "OK" : "FAILED", worst,
+                merged.value(), o.tolerance);
     return ok ? 0 : 1;
 }

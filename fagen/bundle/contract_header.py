@@ -7,10 +7,10 @@ import string
 
 from ..contract import (
     ACCUM_BOX_COLUMNS, ACCUM_BYTES, ALIGNMENT_BYTES, BWD_CONVERT_SUFFIX, BWD_PREPROCESS_SUFFIX,
-    BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMBINE_ROWS_PER_CTA, COMBINE_THREADS,
+    BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMPANION_ROWS_PER_CTA, COMPANION_THREADS,
     DQ_ACCUM_ROW_ALIGN, ELEMENT_BYTES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
-    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_COMBINE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
+    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
     STRIDE_MULTIPLE, TMA_BOX_COLUMNS, kernel_key, variant_name,
 )
 
@@ -82,9 +82,9 @@ inline SplitWorkspace split_workspace(long long num_splits, long long batch, lon
     const long long rows = num_splits * batch * seqlen_q * heads_q;
     return {0, rows * head_dim_v, rows * (head_dim_v + 1)};
 }
-/* combine_grid: the grid of a split-KV kernel's combine entry point. */
-inline GridDims combine_grid(long long batch, long long seqlen_q, long long heads_q) {
-    return {(batch * seqlen_q * heads_q + FAGEN_COMBINE_ROWS_PER_CTA - 1) / FAGEN_COMBINE_ROWS_PER_CTA, 1, 1};
+/* companion_grid: the grid of a split-KV kernel's combine, append and merge entry points. */
+inline GridDims companion_grid(long long batch, long long rows, long long heads) {
+    return {(batch * rows * heads + FAGEN_COMPANION_ROWS_PER_CTA - 1) / FAGEN_COMPANION_ROWS_PER_CTA, 1, 1};
 }
 /* bwd_row_grid: the grid of a backward's preprocess and dQ kernels. */
 inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long batch) {
@@ -159,11 +159,14 @@ def render_contract_header() -> str:
         f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
         f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
         f"#define FAGEN_SINK_PARTIAL_ROWS {SINK_PARTIAL_ROWS}",
-        "/* Split-KV kernels: the combine entry point and split_count's limits (fagen/contract.py). */",
+        "/* Split-KV kernels: the combine, append and merge entry points and split_count's limits",
+        "   (fagen/contract.py). */",
         f"#define FAGEN_SPLIT_COMBINE_SUFFIX \"{SPLIT_COMBINE_SUFFIX}\"",
-        f"#define FAGEN_COMBINE_ROWS_PER_CTA {COMBINE_ROWS_PER_CTA}",
+        f"#define FAGEN_SPLIT_APPEND_SUFFIX \"{SPLIT_APPEND_SUFFIX}\"",
+        f"#define FAGEN_SPLIT_MERGE_SUFFIX \"{SPLIT_MERGE_SUFFIX}\"",
+        f"#define FAGEN_COMPANION_ROWS_PER_CTA {COMPANION_ROWS_PER_CTA}",
         f"#define FAGEN_VARLEN_MIXED_ROWS {VARLEN_MIXED_ROWS!r}",
-        f"#define FAGEN_COMBINE_THREADS {COMBINE_THREADS}",
+        f"#define FAGEN_COMPANION_THREADS {COMPANION_THREADS}",
         f"#define FAGEN_MAX_SPLITS {MAX_SPLITS}",
         f"#define FAGEN_SPLIT_WAVE_FILL {SPLIT_WAVE_FILL!r}",
         "/* The tensor layouts, in the order of fagen/contract.py's LAYOUTS (dense: no key suffix). */",

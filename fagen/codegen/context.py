@@ -28,6 +28,12 @@ def build_context(spec: KernelSpec) -> dict:
         "custom_mask_source": spec.custom_mask.source if spec.custom_mask else "",
         "abi_version": abi.ABI_VERSION,
         "abi_struct": abi.C_STRUCT_NAMES[params],
-        "abi_size": abi.struct_size(params),
-        "abi_offsets": list(abi.field_offsets(params).items()),
+        # Each struct a template's entry points take, for its static_asserts: the kernel's
+        # params, and the merge entry point's (templates/kernels/fa2_fwd_paged_sm80.cu.j2).
+        "abi_structs": {"params": _struct(params), "merge": _struct(abi.MergeParams)},
     }
+
+
+def _struct(struct) -> dict:
+    return {"name": abi.C_STRUCT_NAMES[struct], "size": abi.struct_size(struct),
+            "offsets": list(abi.field_offsets(struct).items())}

@@ -206,8 +206,8 @@ class Fa2SplitKvSpec(KernelSpec):
             Constexpr("kSmemRingBytes", g.smem_ring_bytes),
             Constexpr("kSmemMergeBytes", g.smem_merge_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),
-            Constexpr("kCombineThreads", contract.COMBINE_THREADS),
-            Constexpr("kCombineRowsPerCta", contract.COMBINE_ROWS_PER_CTA),
+            Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
+            Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
         ]
 
     def launch(self) -> contract.Launch:

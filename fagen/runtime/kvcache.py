@@ -42,13 +42,26 @@ class KvCache:
 
 
 @dataclass(frozen=True)
+class NewKeys:
+    """A call's new keys and values, (batch, seqlen_new, heads_kv, head_dim) like the cache's
+    rows: the kernel's append entry point writes them into the cache at each row's length
+    (KvCache.seqused_k, which stays the lengths before the append) before the attention, which
+    then sees seqused_k + seqlen_new keys per row (flash-attn's k, v of flash_attn_with_kvcache)."""
+
+    k: Tensor
+    v: Tensor
+    seqlen_new: int
+
+
+@dataclass(frozen=True)
 class PreparedKvCacheAttention:
     """A checked, selected and parameterised paged-layout launch; ``enqueue`` adds the output
     and workspace addresses."""
 
     kernel: LoadedKernel
     grid: tuple[int, int, int]
-    combine_grid: tuple[int, int, int]
+    companion_grid: tuple[int, int, int]  # the combine's
+    append_grid: tuple[int, int, int] | None  # None: no new keys
     params: bytes  # FagenFwdParams with o = lse = o_partial = lse_partial = 0
     num_splits: int
     workspace: contract.SplitWorkspace
@@ -59,8 +72,9 @@ class PreparedKvCacheAttention:
         return 4 * self.workspace.floats
 
     def enqueue(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
-        """Launch on `stream` (the device's primary context current): the split-KV kernel, then
-        its combine when the keys are split. `workspace`: workspace_bytes of device memory."""
+        """Launch on `stream` (the device's primary context current): the append when the call
+        brings new keys, the split-KV kernel, then its combine when the keys are split.
+        `workspace`: workspace_bytes of device memory."""
         params = FwdParams.from_buffer_copy(self.params)
         params.o, params.lse = out, lse
         if self.num_splits > 1:
@@ -68,10 +82,17 @@ class PreparedKvCacheAttention:
                 raise AttentionError(f"{self.num_splits} splits need a workspace of {self.workspace_bytes} bytes")
             params.o_partial = workspace + 4 * self.workspace.o_partial
             params.lse_partial = workspace + 4 * self.workspace.lse_partial
+        self.enqueue_append(stream)
         self.kernel.enqueue(params, self.grid, stream, self.device)
         if self.num_splits > 1:
-            self.kernel.enqueue_companion(contract.SPLIT_COMBINE_SUFFIX, params, self.combine_grid,
-                                          contract.COMBINE_THREADS, stream)
+            self.kernel.enqueue_companion(contract.SPLIT_COMBINE_SUFFIX, params, self.companion_grid,
+                                          contract.COMPANION_THREADS, stream)
+
+    def enqueue_append(self, stream: int) -> None:
+        """The append alone (enqueue runs it first): the new keys and values into the cache."""
+        if self.append_grid is not None:
+            self.kernel.enqueue_companion(contract.SPLIT_APPEND_SUFFIX, FwdParams.from_buffer_copy(self.params),
+                                          self.append_grid, contract.COMPANION_THREADS, stream)
 
     def launch(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
         with driver.primary_context(self.device):
@@ -117,10 +138,12 @@ def _split_count(entry: KernelEntry, problem: Problem, device: int, one_split: t
 def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     cache: KvCache, softmax_scale: float | None = None, device: int = 0,
                     num_splits: int = 0, entry: KernelEntry | None = None,
-                    score_tensors: ScoreTensors = ScoreTensors()) -> PreparedKvCacheAttention:
+                    score_tensors: ScoreTensors = ScoreTensors(),
+                    new_keys: NewKeys | None = None) -> PreparedKvCacheAttention:
     """Check a paged-layout call (problem.layout == "paged"; seqlen_q: the longest row's query
     tokens, seqlen_k: the most keys a row may have, the cache's capacity), pick its kernel and
-    split count (`num_splits` 0: contract.split_count; n: n) and build its launch. Raises
+    split count (`num_splits` 0: contract.split_count; n: n) and build its launch; `new_keys`
+    are appended into the cache first (the append entry point, same stream). Raises
     AttentionError, KernelNotFound, ScaleError like fagen.runtime.call.prepare."""
     if problem.layout != "paged":
         raise AttentionError(f"layout {problem.layout!r}: a KV-cache call has the paged layout")
@@ -138,6 +161,8 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     _check_cache(problem, cache, entry)
     for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check_tensor(name, tensor, False)
+    if new_keys is not None:
+        _check_new_keys(problem, cache, new_keys)
     one_split = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                             problem.seqlen_k, problem.heads_kv)
     if one_split[1] > MAX_GRID_YZ or one_split[2] > MAX_GRID_YZ:
@@ -157,8 +182,28 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     params.page_size = cache.page_size
     params.pages = cache.pages
     params.num_splits = num_splits
+    append_grid = None
+    if new_keys is not None and new_keys.seqlen_new > 0:
+        params.k_new, params.v_new, params.seqlen_new = new_keys.k.data, new_keys.v.data, new_keys.seqlen_new
+        (params.k_new_batch_stride, params.k_new_row_stride, params.k_new_head_stride) = new_keys.k.strides
+        (params.v_new_batch_stride, params.v_new_row_stride, params.v_new_head_stride) = new_keys.v.strides
+        append_grid = contract.companion_grid(problem.batch, new_keys.seqlen_new, problem.heads_kv)
     workspace = contract.SplitWorkspace.of(num_splits, problem.batch, problem.seqlen_q, problem.heads_q,
                                            problem.value_dim)
     return PreparedKvCacheAttention(bundle.kernel(entry), grid,
-                                    contract.combine_grid(problem.batch, problem.seqlen_q, problem.heads_q),
-                                    bytes(params), num_splits, workspace, device)
+                                    contract.companion_grid(problem.batch, problem.seqlen_q, problem.heads_q),
+                                    append_grid, bytes(params), num_splits, workspace, device)
+
+
+def _check_new_keys(problem: Problem, cache: KvCache, new_keys: NewKeys) -> None:
+    if isinstance(new_keys.seqlen_new, bool) or not isinstance(new_keys.seqlen_new, int) or new_keys.seqlen_new < 0:
+        raise AttentionError(f"seqlen_new={new_keys.seqlen_new!r}: the new keys per row, >= 0")
+    if new_keys.seqlen_new and not cache.seqused_k:
+        raise AttentionError("appending keys needs seqused_k (cache_seqlens: where each row's new keys go)")
+    if cache.cu_seqlens_q:
+        raise AttentionError("appending keys takes dense q (batch, seqlen_q, ...), not packed rows")
+    if new_keys.seqlen_new > problem.seqlen_k:
+        raise AttentionError(f"seqlen_new={new_keys.seqlen_new} new keys do not fit a cache of seqlen_k="
+                             f"{problem.seqlen_k} keys per row")
+    for name, tensor in (("k_new", new_keys.k), ("v_new", new_keys.v)):
+        _check_tensor(name, tensor, False)

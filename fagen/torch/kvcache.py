@@ -58,24 +58,6 @@ def _int32(t, name: str, device) -> torch.Tensor:
     return t.contiguous()
 
 
-def _append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
-    """Writes k, v (batch, seqlen_new, nheads_kv, d) into the cache at each row's length, through
-    its pages: index arithmetic on the device, no host synchronisation."""
-    batch, seqlen_new = k.shape[:2]
-    positions = cache_seqlens.to(torch.long).view(batch, 1) + torch.arange(seqlen_new, device=k.device)
-    if block_table is None:
-        rows = torch.arange(batch, device=k.device).view(batch, 1).expand(batch, seqlen_new)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        return
-    page_size = k_cache.shape[1]
-    pages = block_table.gather(1, positions // page_size).to(torch.long)
-    slots = positions % page_size
-    k_cache[pages, slots] = k
-    v_cache[pages, slots] = v
-
-
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,8 +165,6 @@ def flash_attn_with_kvcache(
                 or v.shape[3] != v_cache.shape[3]:
             raise _fail(f"k, v must be (batch, seqlen_new, nheads_kv, d) like the cache rows, got {tuple(k.shape)}, "
                         f"{tuple(v.shape)} (and q dense)")
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
-        seqused = cache_seqlens + k.shape[1]
     if scheduler_metadata is not None and num_splits == 0:
         num_splits = _metadata_splits(scheduler_metadata)
     if return_lse and not return_softmax_lse:
@@ -201,11 +181,15 @@ def flash_attn_with_kvcache(
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     bundle = bundle_argument(bundle)
-    arguments = (q, k_cache, v_cache, seqused, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
-                 seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale,
-                 float(softcap), num_splits, bundle)
-    eager = eager_call(*arguments[:8])
-    out, lse = (_attend if eager else flash_attn_kvcache)(*arguments)
+    options = (seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale, float(softcap),
+               num_splits, bundle)
+    tensors = (q, k_cache, v_cache, seqused, block_table, cu_seqlens_q, alibi_slopes, learnable_sink)
+    eager = eager_call(*tensors, k, v)
+    if k is not None:
+        # The append kernel writes k, v at cache_seqlens; the attention then sees n more keys.
+        (_append if eager else kvcache_append)(k, v, *tensors, *options)
+        tensors = (q, k_cache, v_cache, cache_seqlens + k.shape[1], *tensors[4:])
+    out, lse = (_attend if eager else flash_attn_kvcache)(*tensors, *options)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -218,15 +202,56 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sequs
     over the cache as it is (appends done)."""
     packed = cu_seqlens_q is not None
     q = _rows_ready(q, "q", 3 if packed else 4)
+    batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[3]))
+    lse = torch.empty(_lse_shape(q, packed, batch), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    device = q.device.index
+    with driver.primary_context(device):
+        prepared, kept = _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes,
+                                  learnable_sink, seqlen_q, capacity, causal, window_left, window_right,
+                                  softmax_scale, softcap, num_splits, bundle, out)
+        workspace = torch.empty(prepared.workspace.floats, dtype=torch.float32, device=q.device)
+        prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device),
+                         workspace.data_ptr() if prepared.workspace.floats else 0)
+    del kept, workspace  # the caching allocator keeps their memory for this stream's work
+    return out, lse
+
+
+def _append(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+            alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], seqlen_q: int,
+            capacity: int, causal: bool, window_left: int, window_right: int, softmax_scale: Optional[float],
+            softcap: float, num_splits: int, bundle: Optional[str]) -> None:
+    """k, v (batch, seqlen_new, nheads_kv, d) into the cache at cache_seqlens, through its pages
+    (the custom op fagen::kvcache_append, which writes k_cache and v_cache): the append entry
+    point of the kernel the call then attends with, no host synchronisation."""
+    if k.shape[1] == 0 or k.shape[0] == 0:
+        return
+    k, v = _rows_ready(k, "k", 4), _rows_ready(v, "v", 4)
+    device = q.device.index
+    with driver.primary_context(device):
+        new_keys = runtime_kvcache.NewKeys(_tensor(k), _tensor(v), k.shape[1])
+        prepared, kept = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes,
+                                  learnable_sink, seqlen_q, capacity, causal, window_left, window_right,
+                                  softmax_scale, softcap, num_splits, bundle, q, new_keys)  # q: no output here
+        prepared.enqueue_append(_current_stream(device))
+    del kept
+
+
+def _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
+             capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle, out,
+             new_keys=None):
+    """The runtime's prepared launch of a checked call, and the tensors it reads that must live
+    until it is enqueued."""
+    packed = cu_seqlens_q is not None
+    q = _rows_ready(q, "q", 3 if packed else 4)
     k_cache = _rows_ready(k_cache, "k_cache", 4)
     v_cache = _rows_ready(v_cache, "v_cache", 4)
     batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
     heads_q, head_dim = q.shape[-2:]
     head_dim_v = v_cache.shape[3]
-    out = q.new_empty((*q.shape[:-1], head_dim_v))
-    lse = torch.empty(_lse_shape(q, packed, batch), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
     problem = runtime_call.Problem(
         _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
         (window_left, window_right), contract.Score(softcap, alibi_slopes is not None, learnable_sink is not None),
@@ -240,17 +265,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sequs
         pages=k_cache.shape[0] if block_table is not None else 0,
         cu_seqlens_q=0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         total_q=q.shape[0] if packed else 0)
-    kernels = get_bundle(bundle)
-    device = q.device.index
-    with driver.primary_context(device):
-        prepared = runtime_kvcache.prepare_kvcache(
-            kernels, problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
-            softmax_scale, device, num_splits, score_tensors=arrays)
-        workspace = torch.empty(prepared.workspace.floats, dtype=torch.float32, device=q.device)
-        prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device),
-                         workspace.data_ptr() if prepared.workspace.floats else 0)
-    del kept, workspace  # the caching allocator keeps their memory for this stream's work
-    return out, lse
+    prepared = runtime_kvcache.prepare_kvcache(
+        get_bundle(bundle), problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
+        softmax_scale, q.device.index, num_splits, score_tensors=arrays, new_keys=new_keys)
+    return prepared, kept
 
 
 def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
@@ -258,6 +276,13 @@ def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
 
 
 flash_attn_kvcache = torch.library.custom_op("fagen::flash_attn_kvcache", mutates_args=())(_attend)
+kvcache_append = torch.library.custom_op("fagen::kvcache_append", mutates_args=("k_cache", "v_cache"))(_append)
+
+
+@kvcache_append.register_fake
+def _append_fake(k, v, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
+                 seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle):
+    return None
 
 
 @flash_attn_kvcache.register_fake

@@ -303,7 +303,7 @@ def test_cpp_split_rule_matches_python(open_bundle, work):
         assert result.returncode == 0, result.stderr
         assert tuple(int(x) for x in result.stdout.split()) == (
             contract.split_count(ctas, keys, slots, min_keys), w.o_partial, w.lse_partial, w.floats,
-            *contract.combine_grid(batch, seqlen_q, heads_q))
+            *contract.companion_grid(batch, seqlen_q, heads_q))
 
 
 @pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))

@@ -69,11 +69,12 @@ def example(bundle, tmp_path_factory):
     return build / "fagen_attention"
 
 
-def runnable_keys(bundle, direction: str = "fwd") -> list[str]:
+def runnable_keys(bundle, direction: str = "fwd", layout: str = "dense") -> list[str]:
+    """The keys of `direction` and `layout` that run on this GPU (the example calls the dense
+    and, with --varlen, the varlen layout; decode_paged.cpp the paged one)."""
     cc = torch.cuda.get_device_capability()
-    # fagen.hpp calls the dense layout; the paged one is flash_attn_with_kvcache's (Python).
     keys = sorted({e.key for e in bundle.kernels if e.key.startswith(f"{direction}/")
-                   and contract.KernelKey.parse(e.key).layout == "dense"})
+                   and contract.KernelKey.parse(e.key).layout == layout})
     runnable = []
     for key in keys:
         try:
@@ -101,6 +102,8 @@ def run_example(example, key: str, size, seed: int, dump: Path, *extra: str) -> 
         args += ["--head-dim-v", parsed.head_dim_v]
     if parsed.mask == "causal":
         args.append("--causal")
+    if parsed.layout == "varlen":
+        args.append("--varlen")
     if parsed.mask == "local":  # the window test_fa2_fwd runs every local kernel with
         args += ["--window", *EVERY_KERNEL_WINDOW]
     if "softcap" in parsed.mods:
@@ -122,10 +125,11 @@ def options_of(mods: Mods) -> dict:
     return dict(softcap=mods.softcap, alibi_slopes=mods.alibi, learnable_sink=mods.sink)
 
 
+@pytest.mark.parametrize("layout", ("dense", "varlen"))
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
-def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size):
+def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size, layout):
     cc = torch.cuda.get_device_capability()
-    for seed, key in enumerate(runnable_keys(bundle)):
+    for seed, key in enumerate(runnable_keys(bundle, "fwd", layout)):
         dump = tmp_path / key.replace("/", "_") / "x".join(map(str, size))
         dump.mkdir(parents=True)
         problem = run_example(example, key, size, seed, dump)
@@ -165,12 +169,13 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
             assert lse_gap <= 1e-3, f"{context}: LSE differs by {lse_gap:.3e}"
 
 
+@pytest.mark.parametrize("layout", ("dense", "varlen"))
 @pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
-def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_path, deterministic):
+def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_path, deterministic, layout):
     """--backward: dq, dk, dv of Bundle::attention_backward within 3x the error of plain torch of
     an fp32 reference, and close to flash_attn_func's autograd on the same inputs."""
     size = SIZES[0]
-    keys = runnable_keys(bundle, "bwd")
+    keys = runnable_keys(bundle, "bwd", layout)
     for seed, key in enumerate(keys if not deterministic else keys[:2]):
         dump = tmp_path / key.replace("/", "_")
         dump.mkdir(parents=True)
@@ -228,4 +233,4 @@ def test_cpp_decode_from_paged_cache(bundle, example, args):
     result = subprocess.run([str(example.with_name("fagen_decode_paged")), "--bundle", str(bundle.path), *args],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+    assert "OK" in result.stdout and "merge:" in result.stdout

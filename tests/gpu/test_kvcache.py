@@ -87,7 +87,8 @@ def check_rows(out, lse, q, cache, causal, window=(-1, -1), mods=Mods(), scale=N
             if not (out[b] == 0).all() or not torch.allclose(lse[b], empty.float(), rtol=1e-6, atol=0):
                 failures.append(f"row {b} (no keys): not zeros / {'sink' if mods.sink is not None else '-inf'}")
             continue
-        found = forward_failures(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal, scale, window, mods)
+        row_lse = None if lse is None else lse[b:b + 1]
+        found = forward_failures(out[b:b + 1], row_lse, q[b:b + 1], k, v, causal, scale, window, mods)
         failures += [f"row {b} ({k.shape[1]} keys): {f}" for f in found]
     assert not failures, "; ".join(failures)
 
@@ -202,6 +203,72 @@ def test_append(bundle, page_size):
         assert torch.equal(k[0, n:], k_new[b]) and torch.equal(v[0, n:], v_new[b]), f"row {b}: appended rows"
         assert torch.equal(k[:, :n], cached[b]), f"row {b}: the cached rows are untouched"
     check_rows(out, lse, q, cache, True)
+
+
+def test_appends_never_write_outside_the_cache(bundle):
+    """The append kernel skips keys past a row's capacity and pages outside [0, pages): the rest
+    of the cache keeps every bit (no write lands where the host could not check)."""
+    require(bundle, "bf16", 128)
+    cache = Cache([10, 30, 60], 2, 128, torch.bfloat16, 16, capacity=64, seed=9)
+    cache.block_table[0, 1] = -1  # row 0's keys 16..31: a bad page
+    cache.block_table[1, 1] = cache.k.shape[0]  # row 1's keys 16..31: past the pool
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    q = torch.randn(3, 8, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(3, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn(3, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    flash_attn_with_kvcache(q, cache.k, cache.v, k_new, v_new, cache_seqlens=cache.seqlens,
+                            block_table=cache.block_table, causal=True, bundle=bundle)
+    torch.cuda.synchronize()
+    written = torch.zeros(cache.k.shape[:2], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(cache.lengths):
+        for t in range(8):
+            key = n + t
+            page = int(cache.block_table[b, key // 16]) if key < 64 else -1
+            if 0 <= page < cache.k.shape[0]:
+                written[page, key % 16] = True
+                assert torch.equal(cache.k[page, key % 16], k_new[b, t]), f"row {b} key {key}"
+    # row 0: keys 10..15, then the page of -1; row 1: the page past the pool, then 32..37; row 2: 60..63
+    assert written.sum() == 6 + 6 + 4
+    assert torch.equal(cache.k[~written], before_k[~written]) and torch.equal(cache.v[~written], before_v[~written])
+
+
+def test_appends_in_a_graph_and_compiled(bundle):
+    """A decode step with its append, captured and replayed twice (each replay appends at the
+    lengths it finds), and the same call under torch.compile (the append op mutates the cache)."""
+    require(bundle, "bf16", 128)
+    cache = Cache([5, 40], 2, 128, torch.bfloat16, 16, capacity=128, seed=10)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = cache.seqlens
+    path = str(bundle.path)
+
+    def step():
+        return flash_attn_with_kvcache(q, cache.k, cache.v, k_new, v_new, cache_seqlens=seqlens,
+                                       block_table=cache.block_table, causal=True, bundle=path)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        seqlens += 1
+        cache.lengths = [n + 1 for n in cache.lengths]
+        k_new.copy_(torch.randn_like(k_new))
+        v_new.copy_(torch.randn_like(v_new))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        cache.lengths = [n + 1 for n in cache.lengths]  # the replay's appended key
+        check_rows(out, None, q, cache, True)
+        cache.lengths = [n - 1 for n in cache.lengths]
+    compiled = torch.compile(step, fullgraph=True)
+    seqlens += 1
+    cache.lengths = [n + 2 for n in cache.lengths]
+    got = compiled()
+    torch.cuda.synchronize()
+    check_rows(got, None, q, cache, True)
+    for b, n in enumerate(cache.lengths):
+        assert torch.equal(cache.keys_of(b)[0][0, n - 1], k_new[b, 0])
 
 
 def test_packed_queries(bundle):

@@ -337,6 +337,7 @@ class FakeDriver:
         self.context_device = context_device
         self.calls = []
         self.launches = []
+        self.kernel_handles: dict[str, int] = {}
         self.pushed = []
 
     def __getattr__(self, name):
@@ -380,8 +381,10 @@ class FakeDriver:
         return self._ok("cuLibraryLoadData", self._real.CUlibrary(0x2000))
 
     def cuLibraryGetKernel(self, library, name):
+        # The first kernel asked for (the main one) is 0x3000, each other entry point its own.
         assert int(library) == 0x2000 and isinstance(name, bytes)
-        return self._ok("cuLibraryGetKernel", self._real.CUkernel(0x3000))
+        handle = self.kernel_handles.setdefault(name.decode(), 0x3000 + 0x10 * len(self.kernel_handles))
+        return self._ok("cuLibraryGetKernel", self._real.CUkernel(handle))
 
     def cuKernelSetAttribute(self, attrib, value, kernel, dev):
         assert attrib == self._real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -396,6 +399,8 @@ class FakeDriver:
             "block": (config.blockDimX, config.blockDimY, config.blockDimZ),
             "smem": config.sharedMemBytes, "stream": int(config.hStream), "kernel": int(kernel),
             "params": params, "extra": extra, "context": self.current_context,
+            "name": {h: n for n, h in self.kernel_handles.items()}.get(int(kernel)),
+            "merge_params": abi.MergeParams.from_buffer_copy(ctypes.string_at(first, ctypes.sizeof(abi.MergeParams))),
         })
         return self._ok("cuLaunchKernelEx")
 

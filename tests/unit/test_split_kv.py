@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from fagen import abi, contract
 from fagen.model import KernelSpec
 from fagen.runtime import AttentionError, Problem, Tensor, load
-from fagen.runtime.kvcache import KvCache, prepare_kvcache
+from fagen.runtime import KernelNotFound
+from fagen.runtime.kvcache import KvCache, NewKeys, prepare_kvcache
+from fagen.runtime.merge import States, prepare_merge
 
 from test_runtime_call import fake  # noqa: F401 (the fixture)
 from test_runtime_cpu import kernel_entry, write_bundle  # noqa: E402
@@ -79,7 +81,7 @@ def test_the_split_workspace_and_grids():
     launch = contract.Launch(threads=128, block_m=16, dynamic_smem=0, grid="splits", block_n=16)
     # 5 tokens x 4 query heads per K/V head = 20 packed rows: 2 blocks of 16, per K/V head
     assert launch.grid_dims(5, 16, 3, 132, 4096, 4, num_splits=7) == (7, 2 * 4, 3)
-    assert contract.combine_grid(3, 5, 16) == (60, 1, 1)
+    assert contract.companion_grid(3, 5, 16) == (60, 1, 1)
 
 
 @pytest.fixture
@@ -115,8 +117,8 @@ def test_a_paged_call_fills_the_serving_fields_and_launches_twice(paged_bundle, 
         prepared.launch(0x600000, 0, 0)
     prepared.launch(0x600000, 0xA00000, 0xABC, workspace=0xB00000)
     main, combine = fake.launches
-    assert main["grid"] == (4, 8, 4) and combine["grid"] == contract.combine_grid(4, 1, 32)
-    assert combine["block"] == (contract.COMBINE_THREADS, 1, 1) and combine["smem"] == 0
+    assert main["grid"] == (4, 8, 4) and combine["grid"] == contract.companion_grid(4, 1, 32)
+    assert combine["block"] == (contract.COMPANION_THREADS, 1, 1) and combine["smem"] == 0
     assert main["params"].o_partial == 0xB00000
     assert main["params"].lse_partial == 0xB00000 + 4 * prepared.workspace.lse_partial
     one = prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), CACHE, num_splits=1)
@@ -158,3 +160,65 @@ def test_a_dense_call_never_gets_a_paged_kernel(paged_bundle, fake):  # noqa: F8
     assert "fwd/bf16/hd128/local/paged" in str(error.value)
     with pytest.raises(AttentionError, match="has the paged layout"):
         prepare_kvcache(paged_bundle, dense, *_tensors(), CACHE)
+
+
+def test_an_append_goes_first_and_the_kernel_sees_the_lengths_before_it(paged_bundle, fake):  # noqa: F811
+    k_new = Tensor.contiguous(0xD00000, 3, 8, 128)
+    v_new = Tensor(0xE00000, 3 * 8 * 128 * 2, 8 * 128 * 2, 128)  # strided: every other row
+    prepared = prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), CACHE, num_splits=1,
+                               new_keys=NewKeys(k_new, v_new, 3))
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.k_new, p.v_new, p.seqlen_new, p.seqused_k) == (0xD00000, 0xE00000, 3, 0x800000)
+    assert (p.v_new_batch_stride, p.v_new_row_stride, p.v_new_head_stride) == v_new.strides
+    prepared.launch(0x600000, 0, 0)
+    append, main = fake.launches
+    name = paged_bundle.kernels[0].name
+    assert (append["name"], main["name"]) == (name + contract.SPLIT_APPEND_SUFFIX, name)
+    # a warp per (row, new token, KV head): 4 x 3 x 8 rows
+    assert append["grid"] == contract.companion_grid(4, 3, 8) == (24, 1, 1)
+    assert append["block"] == (contract.COMPANION_THREADS, 1, 1) and append["smem"] == 0
+    fake.launches.clear()
+    prepared.enqueue_append(0)
+    assert [launch["name"] for launch in fake.launches] == [name + contract.SPLIT_APPEND_SUFFIX]
+
+
+@pytest.mark.parametrize("cache, new_keys, match", [
+    (KvCache(), NewKeys(Tensor.contiguous(0xD00000, 1, 8, 128), Tensor.contiguous(0xE00000, 1, 8, 128), 1),
+     "needs seqused_k"),
+    (KvCache(seqused_k=0x800000, cu_seqlens_q=0xC00000), NewKeys(Tensor.contiguous(0xD00000, 1, 8, 128),
+                                                                  Tensor.contiguous(0xE00000, 1, 8, 128), 1),
+     "dense q"),
+    (CACHE, NewKeys(Tensor.contiguous(0xD00000, 1, 8, 128), Tensor.contiguous(0xE00000, 1, 8, 128), 1025),
+     "do not fit"),
+    (CACHE, NewKeys(Tensor.contiguous(0xD00004, 1, 8, 128), Tensor.contiguous(0xE00000, 1, 8, 128), 1),
+     "k_new must be"),
+    (CACHE, NewKeys(Tensor.contiguous(0xD00000, 1, 8, 128), Tensor.contiguous(0xE00000, 1, 8, 128), -1),
+     "seqlen_new=-1"),
+])
+def test_appends_the_kernels_cannot_take_are_refused(paged_bundle, fake, cache, new_keys, match):  # noqa: F811
+    with pytest.raises(AttentionError, match=match):
+        prepare_kvcache(paged_bundle, PAGED_PROBLEM, *_tensors(), cache, new_keys=new_keys)
+
+
+def _states(out, lse, heads=32, seqlen=5):
+    return States(Tensor.contiguous(out, seqlen, heads, 128), lse, heads * seqlen, seqlen)
+
+
+def test_a_merge_runs_in_a_paged_kernels_cubin(paged_bundle, fake):  # noqa: F811
+    a, b, out = _states(0x100000, 0x200000), _states(0x300000, 0x400000), _states(0x500000, 0)
+    prepared = prepare_merge(paged_bundle, "bf16", 2, 5, 32, 96, a, b, out)  # any head dim of 8s
+    prepared.launch(0xABC)
+    (launch,) = fake.launches
+    assert launch["name"] == paged_bundle.kernels[0].name + contract.SPLIT_MERGE_SUFFIX
+    assert launch["grid"] == contract.companion_grid(2, 5, 32) and launch["stream"] == 0xABC
+    m = launch["merge_params"]
+    assert (m.out_a, m.lse_a, m.out_b, m.lse_b, m.out, m.lse) == (0x100000, 0x200000, 0x300000, 0x400000, 0x500000, None)
+    assert (m.batch, m.seqlen, m.heads, m.head_dim) == (2, 5, 32, 96)
+    assert (m.out_b_batch_stride, m.out_b_row_stride, m.out_b_head_stride) == (5 * 32 * 128, 32 * 128, 128)
+    assert (m.lse_out_batch_stride, m.lse_out_head_stride) == (32 * 5, 5)
+    with pytest.raises(KernelNotFound, match="dtype fp16 for sm_90.*layout: paged"):
+        prepare_merge(paged_bundle, "fp16", 2, 5, 32, 96, a, b, out)
+    with pytest.raises(AttentionError, match="multiple of 8"):
+        prepare_merge(paged_bundle, "bf16", 2, 5, 32, 100, a, b, out)
+    with pytest.raises(AttentionError, match="lse_b"):
+        prepare_merge(paged_bundle, "bf16", 2, 5, 32, 96, a, _states(0x300000, 0), out)

@@ -667,23 +667,22 @@ public:
                params.heads_q * params.batch;
     }
 
-    // A split-KV kernel's combine entry point (contract.h: FAGEN_SPLIT_COMBINE_SUFFIX): merges
-    // the params.num_splits partial results into o and lse, after launch() on the same stream.
+    // A split-KV kernel's entry points beside the main one (contract.h: FAGEN_SPLIT_*_SUFFIX),
+    // each a warp per row on companion_grid, on `stream` after or before launch() as
+    // Bundle::attention_kvcache orders them: the combine merges the params.num_splits partial
+    // results into o and lse; the append writes params.k_new, v_new into the cache; the merge
+    // merges two attention results (Bundle::merge_attention_states).
     Status launch_combine(const FagenFwdParams& params, CUstream stream) const {
-        auto d = driver();
-        if (!d.ok()) return d.status();
-        if (combine_ == nullptr) {
-            return Status::error(std::string("fagen: kernel ") + info_->name + " is not a split-KV kernel");
-        }
-        CUlaunchConfig config{};
-        set_grid(config, combine_grid(params.batch, params.seqlen_q, params.heads_q));
-        config.blockDimX = FAGEN_COMBINE_THREADS;
-        config.blockDimY = config.blockDimZ = 1;
-        config.hStream = stream;
-        void* arguments[1] = {const_cast<FagenFwdParams*>(&params)};
-        return d.value()->check(
-            d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(combine_), arguments, nullptr),
-            "cuLaunchKernelEx(combine)");
+        return launch_companion(combine_, &params, companion_grid(params.batch, params.seqlen_q, params.heads_q),
+                                stream, "combine");
+    }
+    Status launch_append(const FagenFwdParams& params, CUstream stream) const {
+        return launch_companion(append_, &params, companion_grid(params.batch, params.seqlen_new, params.heads_kv),
+                                stream, "append");
+    }
+    Status launch_merge(const FagenMergeParams& params, CUstream stream) const {
+        return launch_companion(merge_, &params, companion_grid(params.batch, params.seqlen, params.heads), stream,
+                                "merge");
     }
 
     // A backward (index.h key "bwd/..."): its preprocess, main and dQ kernels (contract.h,
@@ -733,7 +732,28 @@ private:
     CUkernel preprocess_ = nullptr;  // backward kernels only
     CUkernel convert_ = nullptr;
     CUkernel combine_ = nullptr;  // split-KV kernels only
+    CUkernel append_ = nullptr;
+    CUkernel merge_ = nullptr;
     std::set<CUdevice> prepared_devices_;
+
+    Status launch_companion(CUkernel kernel, const void* params, const GridDims& grid, CUstream stream,
+                            const char* what) const {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        if (kernel == nullptr) {
+            return Status::error(std::string("fagen: kernel ") + info_->name + " is not a split-KV kernel (no " + what +
+                                 " entry point)");
+        }
+        CUlaunchConfig config{};
+        set_grid(config, grid);
+        config.blockDimX = FAGEN_COMPANION_THREADS;
+        config.blockDimY = config.blockDimZ = 1;
+        config.hStream = stream;
+        void* arguments[1] = {const_cast<void*>(params)};
+        return d.value()->check(
+            d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(kernel), arguments, nullptr),
+            (std::string("cuLaunchKernelEx(") + what + ")").c_str());
+    }
 };
 
 // One attention backward: the forward's tensors (q, k, v, out, and its lse, which is required
@@ -758,14 +778,35 @@ struct AttentionBackward : Attention {
 // each row's capacity (block_table columns x page_size when paged). cache_seqlens: int32
 // (batch,) keys per row (0: seqlen_k each). `causal` aligns a row's tokens to its last key
 // (bottom-right). num_splits: 0 chooses (split_count), n forces n; `workspace`: an fp32 device
-// buffer of Bundle::kvcache_workspace_bytes(). No append: the new tokens' keys and values go into
-// the cache before the call (fagen.torch appends on the GPU; here, your copy or kernel).
+// buffer of Bundle::kvcache_workspace_bytes(). k_new, v_new (batch, seqlen_new, heads_kv, d;
+// strides default to contiguous; dense q only): appended into the cache at cache_seqlens
+// (through the pages) before the attention, which then sees cache_seqlens + seqlen_new keys per
+// row; cache_seqlens itself is not changed (flash-attn's k, v). A key past a row's capacity or a
+// page outside [0, pages) is not written.
 struct KvCacheAttention : Attention {
     CUdeviceptr block_table = 0;
     long long block_table_stride = 0;
     int page_size = 0, pages = 0;
     CUdeviceptr cache_seqlens = 0;
     int num_splits = 0;
+    CUdeviceptr k_new = 0, v_new = 0;
+    int seqlen_new = 0;
+    std::optional<Strides> k_new_strides, v_new_strides;
+};
+
+// Two attention results over disjoint key sets of the same queries, merged into the attention
+// over their union (merge_attention_states; what cascade attention and context parallelism do):
+// out_a, out_b, out (batch, seqlen, heads, head_dim) of `dtype`, head_dim a multiple of 8,
+// strides in elements (default contiguous; packed rows: batch 1); lse_a, lse_b, lse fp32 (batch,
+// heads, seqlen) natural-log LSEs (default strides contiguous; lse may be 0: not written). out may
+// be out_a or out_b. Runs in the merge entry point of a paged-layout kernel of `dtype`.
+struct MergeStates {
+    DType dtype = DType::bf16;
+    int batch = 0, seqlen = 0, heads = 0, head_dim = 0;
+    CUdeviceptr out_a = 0, lse_a = 0, out_b = 0, lse_b = 0, out = 0, lse = 0;
+    std::optional<Strides> out_a_strides, out_b_strides, out_strides;
+    // (batch, head) strides of each LSE, in floats; default (heads * seqlen, seqlen).
+    std::optional<std::pair<long long, long long>> lse_a_strides, lse_b_strides, lse_strides;
 };
 
 // The arguments of one cuTensorMapEncodeTiled call, all but the CUtensorMap it writes: a tiled
@@ -929,14 +970,9 @@ public:
         const Driver& cu = *d.value();
         auto device = current_device();
         if (!device.ok()) return device.status();
-        int cc_major = 0, cc_minor = 0;
-        if (Status s = cu.check(cu.device_get_attribute(&cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device.value()),
-                                "cuDeviceGetAttribute");
-            !s.ok()) return s;
-        if (Status s = cu.check(cu.device_get_attribute(&cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device.value()),
-                                "cuDeviceGetAttribute");
-            !s.ok()) return s;
-        auto info = select(key, cc_major, cc_minor, seqlen_k);
+        auto cc = current_compute_capability();
+        if (!cc.ok()) return cc.status();
+        auto info = select(key, cc.value().first, cc.value().second, seqlen_k);
         if (!info.ok()) return info.status();
 
         std::lock_guard<std::mutex> lock(state_->mutex);
@@ -1084,8 +1120,57 @@ public:
         float* workspace = reinterpret_cast<float*>(a.workspace);
         p.o_partial = layout.floats > 0 ? workspace + layout.o_partial : nullptr;
         p.lse_partial = layout.floats > 0 ? workspace + layout.lse_partial : nullptr;
+        if (Status s = set_new_keys(a, p); !s.ok()) return s;
+        if (p.seqlen_new > 0) {
+            if (Status s = kernel.value()->launch_append(p, stream); !s.ok()) return s;
+        }
         if (Status s = kernel.value()->launch(p, nullptr, stream); !s.ok()) return s;
         return splits.value() > 1 ? kernel.value()->launch_combine(p, stream) : Status();
+    }
+
+    // One merge of two attention results on `stream` (in the current context), asynchronous, in
+    // the merge entry point of a paged-layout kernel of m.dtype for the current device.
+    Status merge_attention_states(const MergeStates& m, CUstream stream) {
+        if (m.batch < 0 || m.seqlen < 0 || m.heads < 0 || m.head_dim < 0) {
+            return Status::error("fagen: negative size in MergeStates");
+        }
+        if (m.batch == 0 || m.seqlen == 0 || m.heads == 0) return Status();
+        if (m.head_dim % 8 != 0) {
+            return Status::error("fagen: head_dim=" + std::to_string(m.head_dim) + ": the merge needs a multiple of 8");
+        }
+        const Strides contiguous = Strides::contiguous(m.seqlen, m.heads, m.head_dim);
+        const std::pair<long long, long long> rows{static_cast<long long>(m.heads) * m.seqlen, m.seqlen};
+        const Strides a = m.out_a_strides.value_or(contiguous), b = m.out_b_strides.value_or(contiguous),
+                      o = m.out_strides.value_or(contiguous);
+        const std::tuple<const char*, CUdeviceptr, const Strides*> outs[] = {
+            {"out_a", m.out_a, &a}, {"out_b", m.out_b, &b}, {"out", m.out, &o}};
+        for (const auto& [name, data, strides] : outs) {
+            if (Status s = tensor_status(name, data, *strides, false); !s.ok()) return s;
+        }
+        if (m.lse_a == 0 || m.lse_b == 0 || m.lse_a % 4 != 0 || m.lse_b % 4 != 0 || m.lse % 4 != 0) {
+            return Status::error("fagen: lse_a and lse_b (and lse, if given) must be 4-byte aligned fp32 arrays");
+        }
+        auto key = merge_kernel_key(m.dtype);
+        if (!key.ok()) return key.status();
+        auto kernel = this->kernel(key.value());
+        if (!kernel.ok()) return kernel.status();
+        const auto la = m.lse_a_strides.value_or(rows), lb = m.lse_b_strides.value_or(rows),
+                   lo = m.lse_strides.value_or(rows);
+        FagenMergeParams p{};
+        p.out_a = reinterpret_cast<const void*>(m.out_a);
+        p.lse_a = reinterpret_cast<const float*>(m.lse_a);
+        p.out_b = reinterpret_cast<const void*>(m.out_b);
+        p.lse_b = reinterpret_cast<const float*>(m.lse_b);
+        p.out = reinterpret_cast<void*>(m.out);
+        p.lse = reinterpret_cast<float*>(m.lse);
+        p.out_a_batch_stride = a.batch, p.out_a_row_stride = a.row, p.out_a_head_stride = a.head;
+        p.out_b_batch_stride = b.batch, p.out_b_row_stride = b.row, p.out_b_head_stride = b.head;
+        p.out_batch_stride = o.batch, p.out_row_stride = o.row, p.out_head_stride = o.head;
+        p.lse_a_batch_stride = la.first, p.lse_a_head_stride = la.second;
+        p.lse_b_batch_stride = lb.first, p.lse_b_head_stride = lb.second;
+        p.lse_out_batch_stride = lo.first, p.lse_out_head_stride = lo.second;
+        p.batch = m.batch, p.seqlen = m.seqlen, p.heads = m.heads, p.head_dim = m.head_dim;
+        return kernel.value()->launch_merge(p, stream);
     }
 
     // Bytes of the fp32 workspace and of the deterministic mode's semaphores a backward of `a`
@@ -1273,7 +1358,9 @@ private:
         if (info.grid == FAGEN_GRID_KEY_BLOCKS) {
             companions = {{&kernel->preprocess_, FAGEN_BWD_PREPROCESS_SUFFIX}, {&kernel->convert_, FAGEN_BWD_CONVERT_SUFFIX}};
         } else if (info.grid == FAGEN_GRID_SPLITS) {
-            companions = {{&kernel->combine_, FAGEN_SPLIT_COMBINE_SUFFIX}};
+            companions = {{&kernel->combine_, FAGEN_SPLIT_COMBINE_SUFFIX},
+                          {&kernel->append_, FAGEN_SPLIT_APPEND_SUFFIX},
+                          {&kernel->merge_, FAGEN_SPLIT_MERGE_SUFFIX}};
         }
         {
             for (const auto& [slot, suffix] : companions) {
@@ -1287,6 +1374,68 @@ private:
             }
         }
         return kernel;
+    }
+
+    // The current context's device's compute capability (device 0 if no context is current).
+    static Result<std::pair<int, int>> current_compute_capability() {
+        auto d = driver();
+        if (!d.ok()) return d.status();
+        auto device = current_device();
+        if (!device.ok()) return device.status();
+        int major = 0, minor = 0;
+        for (auto [value, attribute] : {std::pair<int*, CUdevice_attribute>{&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR},
+                                        {&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR}}) {
+            if (Status s = d.value()->check(d.value()->device_get_attribute(value, attribute, device.value()),
+                                            "cuDeviceGetAttribute");
+                !s.ok()) return s;
+        }
+        return std::make_pair(major, minor);
+    }
+
+    // A KV-cache call's new keys into p (fagen/runtime/kvcache.py: _check_new_keys's rules).
+    static Status set_new_keys(const KvCacheAttention& a, FagenFwdParams& p) {
+        if (a.seqlen_new < 0) return Status::error("fagen: seqlen_new must be >= 0");
+        if (a.seqlen_new == 0) return Status();
+        if (a.cache_seqlens == 0) {
+            return Status::error("fagen: appending keys needs cache_seqlens (where each row's new keys go)");
+        }
+        if (a.cu_seqlens_q != 0) return Status::error("fagen: appending keys takes dense q, not packed rows");
+        if (a.seqlen_new > a.seqlen_k) {
+            return Status::error("fagen: seqlen_new=" + std::to_string(a.seqlen_new) +
+                                 " new keys do not fit a cache of seqlen_k=" + std::to_string(a.seqlen_k) + " keys per row");
+        }
+        const Strides k = a.k_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.head_dim));
+        const Strides v = a.v_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.value_dim()));
+        if (Status s = tensor_status("k_new", a.k_new, k, false); !s.ok()) return s;
+        if (Status s = tensor_status("v_new", a.v_new, v, false); !s.ok()) return s;
+        p.k_new = reinterpret_cast<const void*>(a.k_new);
+        p.v_new = reinterpret_cast<const void*>(a.v_new);
+        p.k_new_batch_stride = k.batch, p.k_new_row_stride = k.row, p.k_new_head_stride = k.head;
+        p.v_new_batch_stride = v.batch, p.v_new_row_stride = v.row, p.v_new_head_stride = v.head;
+        p.seqlen_new = a.seqlen_new;
+        return Status();
+    }
+
+    // The key of a paged-layout kernel of `dtype` that runs on the current device, whose merge
+    // entry point serves every head dim (fagen/runtime/merge.py: merge_kernel).
+    Result<std::string> merge_kernel_key(DType dtype) const {
+        auto cc = current_compute_capability();
+        if (!cc.ok()) return cc.status();
+        const auto [major, minor] = cc.value();
+        const std::string prefix = std::string("fwd/") + dtype_name(dtype) + "/";
+        const FagenKernelInfo* best = nullptr;
+        for (const FagenKernelInfo& info : fagen_kernels) {
+            if (info.grid == FAGEN_GRID_SPLITS && std::string(info.key).rfind(prefix, 0) == 0 &&
+                runs_on(info, major, minor) && (best == nullptr || preferred_over(info, *best, 0))) {
+                best = &info;
+            }
+        }
+        if (best != nullptr) return std::string(best->key);
+        return Status::error("fagen: merge_attention_states runs in a paged-layout kernel's cubin, and bundle " +
+                             directory() + " has none of dtype " + dtype_name(dtype) + " for compute capability " +
+                             std::to_string(major) + "." + std::to_string(minor) + "; build one, e.g. {fa_version: 2, "
+                             "arch: sm" + std::to_string(major) + std::to_string(minor) + ", dtype: " +
+                             dtype_name(dtype) + ", head_dim: 128, layout: paged, mask: local}");
     }
 
     static Status check_grid_limits(const Attention& a) {

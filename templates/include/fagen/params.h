@@ -13,7 +13,8 @@
 // 6: the serving fields of FagenFwdParams (cu_seqlens_q ... lse_partial).
 // 7: cu_seqlens_k (FagenFwdParams), cu_seqlens_q, cu_seqlens_k and total_q (FagenBwdParams):
 //    the varlen layout.
-#define FAGEN_ABI_VERSION 7
+// 8: k_new, v_new, their strides and seqlen_new (a KV-cache call's append); FagenMergeParams.
+#define FAGEN_ABI_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -91,6 +92,19 @@ typedef struct FagenFwdParams {
     // packed like q ((total_k, heads_kv, head_dim), batch strides 0); seqlen_q and seqlen_k are
     // the longest rows' (they size the grid), seqused_k (if not null) caps each row's keys.
     const int* cu_seqlens_k;
+
+    // A KV-cache call's new keys and values (read only by the paged-layout kernels' append entry
+    // point, fagen/contract.py: SPLIT_APPEND_SUFFIX): (batch, seqlen_new, heads_kv, head_dim)
+    // like the cache rows, written into the cache at keys seqused_k[b], seqused_k[b] + 1, ...
+    // (through the block table), skipping a key at or past seqlen_k and a page outside [0,
+    // pages). The attention kernel then sees min(seqused_k[b] + seqlen_new, seqlen_k) keys per
+    // row: seqused_k stays the lengths before the append (flash-attn's cache_seqlens).
+    // seqlen_new 0: no append.
+    const void* k_new;
+    const void* v_new;
+    long long k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+    long long v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+    int seqlen_new;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like
@@ -152,6 +166,31 @@ typedef struct FagenBwdParams {
     const int* cu_seqlens_k;
     int total_q;
 } FagenBwdParams;
+
+// The parameter of the paged-layout kernels' merge entry point (fagen/contract.py:
+// SPLIT_MERGE_SUFFIX): the attention over two disjoint key sets from each one's output and LSE
+// (natural log). out_a, out_b, out: (batch, seqlen, heads, head_dim) in the kernel's element
+// type, strides in elements, rows 16-byte aligned (head_dim a multiple of 8; packed rows: batch
+// 1); lse_a, lse_b, lse: fp32 (batch, heads, seqlen), a row's entries contiguous. lse may be
+// null. out may alias out_a or out_b (each element is read before it is written, by one thread).
+typedef struct FagenMergeParams {
+    const void* out_a;
+    const float* lse_a;
+    const void* out_b;
+    const float* lse_b;
+    void* out;
+    float* lse;
+    long long out_a_batch_stride, out_a_row_stride, out_a_head_stride;
+    long long out_b_batch_stride, out_b_row_stride, out_b_head_stride;
+    long long out_batch_stride, out_row_stride, out_head_stride;
+    long long lse_a_batch_stride, lse_a_head_stride;
+    long long lse_b_batch_stride, lse_b_head_stride;
+    long long lse_out_batch_stride, lse_out_head_stride;
+    int batch;
+    int seqlen;
+    int heads;
+    int head_dim;
+} FagenMergeParams;
 
 // A CUtensorMap (cuda.h) as an opaque, 64-byte-aligned blob: kernels built with NVRTC cannot
 // include cuda.h, and the layout is the driver's business anyway.

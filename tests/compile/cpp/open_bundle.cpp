@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
         long long v[9];
         for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[2 + i]);
         const fagen::SplitWorkspace w = fagen::split_workspace(v[4], v[5], v[6], v[7], v[8]);
-        const fagen::GridDims g = fagen::combine_grid(v[5], v[6], v[7]);
+        const fagen::GridDims g = fagen::companion_grid(v[5], v[6], v[7]);
         std::printf("%d %lld %lld %lld %lld %lld %lld\n", fagen::split_count(v[0], v[1], v[2], v[3]), w.o_partial,
                     w.lse_partial, w.floats, g.x, g.y, g.z);
         return 0;

@@ -27,7 +27,8 @@ struct Sequence {
             s.seqlen_q = p.seqlen_q;
             s.partial_begin = batch * p.seqlen_q;
         }
-        s.seqlen_k = p.seqused_k != nullptr ? min(p.seqused_k[batch], p.seqlen_k) : p.seqlen_k;
+        // seqused_k holds the lengths before this call's append (FagenFwdParams: seqlen_new).
+        s.seqlen_k = p.seqused_k != nullptr ? min(p.seqused_k[batch] + p.seqlen_new, p.seqlen_k) : p.seqlen_k;
         return s;
     }
 };
@@ -44,6 +45,41 @@ __device__ __forceinline__ const Element* cache_rows(const FagenFwdParams& p, co
     const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
     if (page < 0 || page >= p.pages) return nullptr;
     return base + page * batch_stride + (key % p.page_size) * row_stride;
+}
+
+// The append entry point (fagen/contract.py: SPLIT_APPEND_SUFFIX): row `token` of k_new and v_new
+// into the cache at key seqused_k[batch] + token, a warp per (batch row, new token, KV head),
+// `rows_per_cta` of them per CTA, KV heads innermost (one row's heads are one contiguous run of
+// the cache). Nothing is written for a key at or past seqlen_k (the row's capacity) or through a
+// block table entry outside [0, pages): the host cannot see the lengths, and no write may land
+// outside the cache.
+template <class Element, int kHeadDim, int kHeadDimV>
+__device__ __forceinline__ void append_rows(const FagenFwdParams& p, int rows_per_cta) {
+    static_assert(kHeadDim % 8 == 0 && kHeadDimV % 8 == 0, "rows move as 16-byte vectors");
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const long long index = static_cast<long long>(blockIdx.x) * rows_per_cta + warp;
+    if (index >= static_cast<long long>(p.batch) * p.seqlen_new * p.heads_kv) return;
+    const int head = static_cast<int>(index % p.heads_kv);
+    const int token = static_cast<int>(index / p.heads_kv % p.seqlen_new);
+    const int batch = static_cast<int>(index / (static_cast<long long>(p.heads_kv) * p.seqlen_new));
+    const int key = p.seqused_k[batch] + token;
+    if (key < 0 || key >= p.seqlen_k) return;
+    auto copy = [&](const void* from, long long from_batch, long long from_row, long long from_head, const void* cache,
+                    long long batch_stride, long long row_stride, long long head_stride, int columns) {
+        const Element* source = static_cast<const Element*>(from) + batch * from_batch + token * from_row +
+                                head * from_head;
+        const Element* target = cache_rows(p, static_cast<const Element*>(cache) + head * head_stride, batch_stride,
+                                           row_stride, batch, key);
+        if (target == nullptr) return;
+        for (int c = 8 * lane; c < columns; c += 8 * 32) {
+            *reinterpret_cast<uint4*>(const_cast<Element*>(target) + c) = *reinterpret_cast<const uint4*>(source + c);
+        }
+    };
+    copy(p.k_new, p.k_new_batch_stride, p.k_new_row_stride, p.k_new_head_stride, p.k, p.k_batch_stride,
+         p.k_row_stride, p.k_head_stride, kHeadDim);
+    copy(p.v_new, p.v_new_batch_stride, p.v_new_row_stride, p.v_new_head_stride, p.v, p.v_batch_stride,
+         p.v_row_stride, p.v_head_stride, kHeadDimV);
 }
 
 }  // namespace fagen::algo

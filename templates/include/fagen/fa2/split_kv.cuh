@@ -323,7 +323,7 @@ struct SplitKv {
         const int warp = threadIdx.x / 32;
         const int lane = threadIdx.x % 32;
         const long long partial_rows = static_cast<long long>(p.batch) * p.seqlen_q;
-        const long long index = static_cast<long long>(blockIdx.x) * Config::kCombineRowsPerCta + warp;
+        const long long index = static_cast<long long>(blockIdx.x) * Config::kCompanionRowsPerCta + warp;
         if (index >= partial_rows * p.heads_q) return;
         const int row = static_cast<int>(index / p.heads_q);
         const int head = static_cast<int>(index % p.heads_q);
