@@ -306,6 +306,16 @@ def test_cpp_split_rule_matches_python(open_bundle, work):
             *contract.companion_grid(batch, seqlen_q, heads_q))
 
 
+@pytest.mark.parametrize("batch, seqlen_q, total_q", [
+    (16, 1024, 16 * 1024), (4, 1024, 2152), (4, 1000, 3277), (4, 1000, 3199), (7, 4096, 9000), (1, 1, 1), (3, 5, 0)])
+def test_cpp_varlen_walk_rule_matches_python(open_bundle, batch, seqlen_q, total_q):
+    """varlen_walks_items (a varlen launch of mixed lengths gets a CTA per work item) in fagen.hpp
+    as in fagen/runtime/call.py, at and around its 1.25x bound."""
+    result = run(open_bundle, "--walk", batch, seqlen_q, total_q)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(int(contract.varlen_walks_items(batch, seqlen_q, total_q)))]
+
+
 @pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))
 def test_cpp_workspace_rule_matches_python(open_bundle, shape):
     batch, heads_q, seqlen_q, head_dim, block_m = shape

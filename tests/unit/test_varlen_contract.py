@@ -10,7 +10,10 @@ import pytest
 
 from fagen import abi, contract
 from fagen.model import KernelSpec
-from fagen.runtime import call
+from fagen.runtime import call, driver, load
+
+from test_runtime_call import fake  # noqa: F401 (the fixture)
+from test_runtime_cpu import kernel_entry, write_bundle  # noqa: E402
 
 
 def test_varlen_keys_parse_and_name():
@@ -113,3 +116,24 @@ def test_varlen_call_traces_under_fake_tensors():
 ])
 def test_varlen_grid_rule(lengths, items):
     assert contract.varlen_walks_items(len(lengths), max(lengths), sum(lengths)) is items
+
+
+
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_a_walking_varlen_launch_has_a_cta_per_tile(tmp_path, fake, mask):  # noqa: F811
+    """Mixed lengths on a persistent varlen kernel: a CTA per tile (under a causal mask the
+    kernel's items are pairs of tiles, algo/tile_scheduler.cuh, and the second half of the grid
+    exits at once: docs/performance.md, entry 133); equal lengths keep one CTA per SM."""
+    items = 16 * 4 * 4
+    entry = kernel_entry("sm90a", f"fwd/bf16/hd128/{mask}", fa_version=3)
+    entry["key"] += "/varlen"
+    entry["launch"] = {**entry["launch"], "block_m": 128, "grid": "persistent", "tma_q_rows": 128,
+                       "tma_kv_rows": 128}
+    bundle = load(write_bundle(tmp_path / "b", [entry]))
+    tensor = call.Tensor(0x10000, 0, 4 * 128, 128)
+    problem = call.Problem("bf16", mask == "causal", 4, 2048, 2048, 4, 4, 128, layout="varlen")
+    mixed = call.Varlen(0x20000, 0x30000, total_q=2500, total_k=2500)
+    equal = call.Varlen(0x20000, 0x30000, total_q=4 * 2048, total_k=4 * 2048)
+    assert call.prepare(bundle, problem, tensor, tensor, tensor, tensor, varlen=mixed).grid == (items, 1, 1)
+    sms = driver.multiprocessor_count(0)
+    assert call.prepare(bundle, problem, tensor, tensor, tensor, tensor, varlen=equal).grid == (min(16 * 16, sms), 1, 1)

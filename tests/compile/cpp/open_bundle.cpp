@@ -159,6 +159,10 @@ int main(int argc, char** argv) {
         std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
         return 0;
     }
+    if (argc == 5 && std::strcmp(argv[1], "--walk") == 0) {
+        std::printf("%d\n", fagen::varlen_walks_items(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4])) ? 1 : 0);
+        return 0;
+    }
     if (argc == 11 && std::strcmp(argv[1], "--splits") == 0) {
         long long v[9];
         for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[2 + i]);
