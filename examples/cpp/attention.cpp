@@ -33,6 +33,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "elements.hpp"
@@ -433,25 +434,19 @@ int main(int argc, char** argv) {
         if (o.alibi) slopes.push_back(alibi_slope(o, h));
         if (o.sinks) sinks.push_back(sink_logit(h));
     }
-    for (const auto& [pointer, values] : {std::pair<CUdeviceptr*, std::vector<float>*>{&a.alibi_slopes, &slopes},
-                                          {&a.sinks, &sinks}}) {
-        if (values->empty()) continue;
-        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, values->size() * 4), "cuMemAlloc"); !s.ok()) return fail(s.message());
-        if (fagen::Status s = cu.check(cu.memcpy_htod(*pointer, values->data(), values->size() * 4), "cuMemcpyHtoD");
-            !s.ok())
-            return fail(s.message());
-    }
     std::vector<int> cu_q, cu_k;  // equal lengths: row b's tokens from b * seqlen on
     for (int b = 0; o.varlen && b <= o.batch; ++b) {
         cu_q.push_back(b * o.seqlen_q);
         cu_k.push_back(b * o.seqlen_k);
     }
-    for (const auto& [pointer, offsets] : {std::pair<CUdeviceptr*, std::vector<int>*>{&a.cu_seqlens_q, &cu_q},
-                                           {&a.cu_seqlens_k, &cu_k}}) {
-        if (offsets->empty()) continue;
-        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, offsets->size() * 4), "cuMemAlloc"); !s.ok()) return fail(s.message());
-        if (fagen::Status s = cu.check(cu.memcpy_htod(*pointer, offsets->data(), offsets->size() * 4), "cuMemcpyHtoD");
-            !s.ok())
+    // The 4-byte arrays a call may take, each uploaded where it is given (non-empty).
+    const std::tuple<CUdeviceptr*, const void*, size_t> arrays[] = {
+        {&a.alibi_slopes, slopes.data(), slopes.size()}, {&a.sinks, sinks.data(), sinks.size()},
+        {&a.cu_seqlens_q, cu_q.data(), cu_q.size()}, {&a.cu_seqlens_k, cu_k.data(), cu_k.size()}};
+    for (const auto& [pointer, values, count] : arrays) {
+        if (count == 0) continue;
+        if (fagen::Status s = cu.check(cu.mem_alloc(pointer, count * 4), "cuMemAlloc"); !s.ok()) return fail(s.message());
+        if (fagen::Status s = cu.check(cu.memcpy_htod(*pointer, values, count * 4), "cuMemcpyHtoD"); !s.ok())
             return fail(s.message());
     }
     if (o.varlen) {

@@ -6,6 +6,7 @@ One launch, no host synchronisation: a prepared merge can be captured in a CUDA 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .. import contract
@@ -51,21 +52,31 @@ class PreparedMerge:
 def merge_kernel(bundle: Bundle, dtype: str, compute_capability: tuple[int, int]) -> KernelEntry:
     """A paged-layout kernel of `dtype` that runs on the device: its cubin's merge entry point
     serves every head dim."""
-    found = [e for e in bundle.kernels
-             if e.launch.grid == "splits" and e.key.split("/")[1] == dtype and runs_on(e, compute_capability)]
-    if not found:
+    found = _merge_kernel(bundle, dtype, tuple(compute_capability))
+    if found is None:
         major, minor = compute_capability
         raise KernelNotFound(
             f"merge_attention_states runs in a paged-layout kernel's cubin, and bundle {bundle.path} has none of "
             f"dtype {dtype} for sm_{major}{minor}; build one, e.g. a spec with {{fa_version: 2, arch: "
             f"sm{major}{minor}, dtype: {dtype}, head_dim: 128, layout: paged, mask: local}}")
-    return max(found, key=_preference)
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_kernel(bundle: Bundle, dtype: str, compute_capability: tuple[int, int]) -> KernelEntry | None:
+    """merge_kernel's choice, once per bundle, dtype and device kind (an open Bundle never
+    changes): every merge of a decoding step asks it."""
+    found = [e for e in bundle.kernels
+             if e.launch.grid == "splits" and e.key.split("/")[1] == dtype and runs_on(e, compute_capability)]
+    return max(found, key=_preference) if found else None
 
 
 def prepare_merge(bundle: Bundle, dtype: str, batch: int, seqlen: int, heads: int, head_dim: int,
-                  a: States, b: States, out: States, device: int = 0) -> PreparedMerge:
+                  a: States, b: States, out: States, device: int = 0,
+                  entry: KernelEntry | None = None) -> PreparedMerge:
     """Check a merge of `a` and `b` into `out` (out.lse 0: no LSE written; out may alias a or
-    b) and build its launch. Raises AttentionError, KernelNotFound."""
+    b) and build its launch; `entry`: merge_kernel's, where the caller asked it already. Raises
+    AttentionError, KernelNotFound."""
     for name, value in (("batch", batch), ("seqlen", seqlen), ("heads", heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise AttentionError(f"{name}={value!r}: a size, >= 0")
@@ -77,7 +88,7 @@ def prepare_merge(bundle: Bundle, dtype: str, batch: int, seqlen: int, heads: in
             raise AttentionError(f"lse_{name}: a 4-byte aligned fp32 device array")
     if any(s.out.data % ALIGNMENT_BYTES for s in (a, b, out)):
         raise AttentionError(f"the outputs must be {ALIGNMENT_BYTES}-byte aligned")
-    entry = merge_kernel(bundle, dtype, driver.compute_capability(device))
+    entry = entry or merge_kernel(bundle, dtype, driver.compute_capability(device))
     params = MergeParams(out_a=a.out.data, lse_a=a.lse, out_b=b.out.data, lse_b=b.lse, out=out.out.data,
                          lse=out.lse or None, batch=batch, seqlen=seqlen, heads=heads, head_dim=head_dim)
     for prefix, states in (("out_a", a), ("out_b", b), ("out", out)):

@@ -157,7 +157,6 @@ def flash_attn_with_kvcache(
             raise _fail(f"cache_seqlens must be (batch={batch},), got {tuple(cache_seqlens.shape)}")
     if (k is None) != (v is None):
         raise _fail("k and v are appended together: give both or neither")
-    seqused = cache_seqlens
     if k is not None:
         if cache_seqlens is None:
             raise _fail("appending k, v needs cache_seqlens (where each row's new keys go)")
@@ -181,15 +180,14 @@ def flash_attn_with_kvcache(
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     bundle = bundle_argument(bundle)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink)
     options = (seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale, float(softcap),
                num_splits, bundle)
-    tensors = (q, k_cache, v_cache, seqused, block_table, cu_seqlens_q, alibi_slopes, learnable_sink)
     eager = eager_call(*tensors, k, v)
-    if k is not None:
-        # The append kernel writes k, v at cache_seqlens; the attention then sees n more keys.
-        (_append if eager else kvcache_append)(k, v, *tensors, *options)
-        tensors = (q, k_cache, v_cache, cache_seqlens + k.shape[1], *tensors[4:])
-    out, lse = (_attend if eager else flash_attn_kvcache)(*tensors, *options)
+    if k is None:
+        out, lse = (_attend if eager else flash_attn_kvcache)(*tensors, *options)
+    else:
+        out, lse = (_attend_appending if eager else flash_attn_kvcache_append)(k, v, *tensors, *options)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -199,52 +197,30 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sequs
             capacity: int, causal: bool, window_left: int, window_right: int, softmax_scale: Optional[float],
             softcap: float, num_splits: int, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of the checked call (the custom op fagen::flash_attn_kvcache): the kernels
-    over the cache as it is (appends done)."""
-    packed = cu_seqlens_q is not None
-    q = _rows_ready(q, "q", 3 if packed else 4)
-    batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
-    out = q.new_empty((*q.shape[:-1], v_cache.shape[3]))
-    lse = torch.empty(_lse_shape(q, packed, batch), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    device = q.device.index
-    with driver.primary_context(device):
-        prepared, kept = _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes,
-                                  learnable_sink, seqlen_q, capacity, causal, window_left, window_right,
-                                  softmax_scale, softcap, num_splits, bundle, out)
-        workspace = torch.empty(prepared.workspace.floats, dtype=torch.float32, device=q.device)
-        prepared.enqueue(out.data_ptr(), lse.data_ptr(), _current_stream(device),
-                         workspace.data_ptr() if prepared.workspace.floats else 0)
-    del kept, workspace  # the caching allocator keeps their memory for this stream's work
-    return out, lse
+    over the cache as it is."""
+    return _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
+                capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle)
 
 
-def _append(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-            alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], seqlen_q: int,
-            capacity: int, causal: bool, window_left: int, window_right: int, softmax_scale: Optional[float],
-            softcap: float, num_splits: int, bundle: Optional[str]) -> None:
-    """k, v (batch, seqlen_new, nheads_kv, d) into the cache at cache_seqlens, through its pages
-    (the custom op fagen::kvcache_append, which writes k_cache and v_cache): the append entry
-    point of the kernel the call then attends with, no host synchronisation."""
-    if k.shape[1] == 0 or k.shape[0] == 0:
-        return
-    k, v = _rows_ready(k, "k", 4), _rows_ready(v, "v", 4)
-    device = q.device.index
-    with driver.primary_context(device):
-        new_keys = runtime_kvcache.NewKeys(_tensor(k), _tensor(v), k.shape[1])
-        prepared, kept = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes,
-                                  learnable_sink, seqlen_q, capacity, causal, window_left, window_right,
-                                  softmax_scale, softcap, num_splits, bundle, q, new_keys)  # q: no output here
-        prepared.enqueue_append(_current_stream(device))
-    del kept
+def _attend_appending(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                      cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                      learnable_sink: Optional[torch.Tensor], seqlen_q: int, capacity: int, causal: bool,
+                      window_left: int, window_right: int, softmax_scale: Optional[float], softcap: float,
+                      num_splits: int, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same after appending k, v (batch, seqlen_new, nheads_kv, d) into the cache at
+    cache_seqlens, through its pages (the custom op fagen::flash_attn_kvcache_append, which
+    writes k_cache and v_cache): one prepared launch, whose append entry point runs first and
+    whose attention then sees cache_seqlens + seqlen_new keys per row."""
+    return _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
+                seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle,
+                (k, v) if k.numel() else None)
 
 
-def _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
-             capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle, out,
-             new_keys=None):
-    """The runtime's prepared launch of a checked call, and the tensors it reads that must live
-    until it is enqueued."""
+def _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
+         capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle, new=None):
+    """Both ops: the runtime's prepared launch of the checked call (`new`: the keys and values
+    it appends first), enqueued on the current stream."""
     packed = cu_seqlens_q is not None
     q = _rows_ready(q, "q", 3 if packed else 4)
     k_cache = _rows_ready(k_cache, "k_cache", 4)
@@ -252,6 +228,10 @@ def _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_sl
     batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
     heads_q, head_dim = q.shape[-2:]
     head_dim_v = v_cache.shape[3]
+    out = q.new_empty((*q.shape[:-1], head_dim_v))
+    lse = torch.empty(_lse_shape(q, packed, batch), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and new is None:
+        return out, lse
     problem = runtime_call.Problem(
         _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
         (window_left, window_right), contract.Score(softcap, alibi_slopes is not None, learnable_sink is not None),
@@ -265,10 +245,23 @@ def _prepare(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_sl
         pages=k_cache.shape[0] if block_table is not None else 0,
         cu_seqlens_q=0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         total_q=q.shape[0] if packed else 0)
-    prepared = runtime_kvcache.prepare_kvcache(
-        get_bundle(bundle), problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
-        softmax_scale, q.device.index, num_splits, score_tensors=arrays, new_keys=new_keys)
-    return prepared, kept
+    new_keys = None
+    if new is not None:
+        k, v = (_rows_ready(t, name, 4) for t, name in zip(new, ("k", "v")))
+        new_keys = runtime_kvcache.NewKeys(_tensor(k), _tensor(v), k.shape[1])
+    device = q.device.index
+    with driver.primary_context(device):
+        prepared = runtime_kvcache.prepare_kvcache(
+            get_bundle(bundle), problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
+            softmax_scale, device, num_splits, score_tensors=arrays, new_keys=new_keys)
+        stream = _current_stream(device)
+        if out.numel() == 0:  # no queries: the append alone
+            prepared.enqueue_append(stream)
+            return out, lse
+        workspace = torch.empty(prepared.workspace.floats, dtype=torch.float32, device=q.device)
+        prepared.enqueue(out.data_ptr(), lse.data_ptr(), stream, workspace.data_ptr() if prepared.workspace.floats else 0)
+    del kept, workspace  # the caching allocator keeps their memory for this stream's work
+    return out, lse
 
 
 def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
@@ -276,13 +269,8 @@ def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
 
 
 flash_attn_kvcache = torch.library.custom_op("fagen::flash_attn_kvcache", mutates_args=())(_attend)
-kvcache_append = torch.library.custom_op("fagen::kvcache_append", mutates_args=("k_cache", "v_cache"))(_append)
-
-
-@kvcache_append.register_fake
-def _append_fake(k, v, q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
-                 seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle):
-    return None
+flash_attn_kvcache_append = torch.library.custom_op(
+    "fagen::flash_attn_kvcache_append", mutates_args=("k_cache", "v_cache"))(_attend_appending)
 
 
 @flash_attn_kvcache.register_fake
@@ -292,6 +280,11 @@ def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alib
     batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     return (q.new_empty((*q.shape[:-1], v_cache.shape[3])),
             q.new_empty(_lse_shape(q, packed, batch), dtype=torch.float32))
+
+
+@flash_attn_kvcache_append.register_fake
+def _attend_appending_fake(k, v, *arguments):
+    return _attend_fake(*arguments)
 
 
 def _metadata_splits(metadata) -> int:

@@ -71,7 +71,7 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     device = out_a.device.index
     kernels = get_bundle(bundle)
     try:
-        runtime_merge.merge_kernel(kernels, _DTYPE_NAMES[out_a.dtype], driver.compute_capability(device))
+        entry = runtime_merge.merge_kernel(kernels, _DTYPE_NAMES[out_a.dtype], driver.compute_capability(device))
     except KernelNotFound:
         out, lse = _merge_tensors(out_a, lse_a, out_b, lse_b)
         return out.contiguous(), lse.contiguous()
@@ -84,7 +84,7 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
         with driver.primary_context(device):
             prepared = runtime_merge.prepare_merge(
                 kernels, _DTYPE_NAMES[out.dtype], batch, seqlen, heads, head_dim, _states(a, lse_a),
-                _states(b, lse_b), _states(out, lse), device)
+                _states(b, lse_b), _states(out, lse), device, entry)
             prepared.enqueue(_current_stream(device))
     return out.view(shape), lse.view(lse_shape)
 

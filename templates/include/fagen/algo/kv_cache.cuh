@@ -2,6 +2,7 @@
 // fields, fagen/contract.py: LAYOUTS): its lengths, its query tokens in dense or packed q / o,
 // and its keys in a contiguous cache or in pages through a block table.
 #pragma once
+#include "fagen/algo/companion_row.cuh"
 #include "fagen/params.h"
 
 namespace fagen::algo {
@@ -56,13 +57,10 @@ __device__ __forceinline__ const Element* cache_rows(const FagenFwdParams& p, co
 template <class Element, int kHeadDim, int kHeadDimV>
 __device__ __forceinline__ void append_rows(const FagenFwdParams& p, int rows_per_cta) {
     static_assert(kHeadDim % 8 == 0 && kHeadDimV % 8 == 0, "rows move as 16-byte vectors");
-    const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const long long index = static_cast<long long>(blockIdx.x) * rows_per_cta + warp;
-    if (index >= static_cast<long long>(p.batch) * p.seqlen_new * p.heads_kv) return;
-    const int head = static_cast<int>(index % p.heads_kv);
-    const int token = static_cast<int>(index / p.heads_kv % p.seqlen_new);
-    const int batch = static_cast<int>(index / (static_cast<long long>(p.heads_kv) * p.seqlen_new));
+    CompanionRow row;
+    if (!CompanionRow::of(rows_per_cta, p.batch, p.seqlen_new, p.heads_kv, row)) return;
+    const int batch = row.batch, token = row.token, head = row.head;
     const int key = p.seqused_k[batch] + token;
     if (key < 0 || key >= p.seqlen_k) return;
     auto copy = [&](const void* from, long long from_batch, long long from_row, long long from_head, const void* cache,

@@ -6,6 +6,7 @@
 // attention, SGLang's merge_state and context parallelism do with a prefix shared by many
 // requests and each request's own keys.
 #pragma once
+#include "fagen/algo/companion_row.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/algo/lse.cuh"
 #include "fagen/params.h"
@@ -17,13 +18,10 @@ namespace fagen::algo {
 template <class Element>
 __device__ __forceinline__ void merge_states(const FagenMergeParams& p, int rows_per_cta) {
     using Ops = ElementOps<Element>;
-    const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const long long index = static_cast<long long>(blockIdx.x) * rows_per_cta + warp;
-    if (index >= static_cast<long long>(p.batch) * p.seqlen * p.heads) return;
-    const int head = static_cast<int>(index % p.heads);
-    const int token = static_cast<int>(index / p.heads % p.seqlen);
-    const int batch = static_cast<int>(index / (static_cast<long long>(p.heads) * p.seqlen));
+    CompanionRow at;
+    if (!CompanionRow::of(rows_per_cta, p.batch, p.seqlen, p.heads, at)) return;
+    const int batch = at.batch, token = at.token, head = at.head;
 
     const float lse_a = p.lse_a[batch * p.lse_a_batch_stride + head * p.lse_a_head_stride + token];
     const float lse_b = p.lse_b[batch * p.lse_b_batch_stride + head * p.lse_b_head_stride + token];
