@@ -17,7 +17,8 @@ import ctypes
 # 7: cu_seqlens_k (FwdParams), cu_seqlens_q, cu_seqlens_k and total_q (BwdParams): the varlen
 #    layout.
 # 8: k_new, v_new, their strides and seqlen_new (FwdParams: a KV-cache call's append); MergeParams.
-ABI_VERSION = 8
+# 9: q_descale, k_descale, v_descale and their strides (FwdParams: the e4m3 element's descales).
+ABI_VERSION = 9
 
 _c_longlong = ctypes.c_longlong
 
@@ -70,6 +71,10 @@ class FwdParams(ctypes.Structure):
         ("v_new", ctypes.c_void_p),
         *_strides("k_new", "v_new"),
         ("seqlen_new", ctypes.c_int),
+        ("q_descale", ctypes.c_void_p),
+        ("k_descale", ctypes.c_void_p),
+        ("v_descale", ctypes.c_void_p),
+        *[(f"{t}_descale_{dim}_stride", _c_longlong) for t in ("q", "k", "v") for dim in ("batch", "head")],
     ]
 
 

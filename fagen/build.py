@@ -113,7 +113,7 @@ def _check_sass(
     kernels = []
     for (rendered, compiled), found in zip(batch, families_of):
         families = tuple(sorted(found))
-        if problems := sass_problems(set(families), rendered.spec.REQUIRED_SASS):
+        if problems := sass_problems(set(families), rendered.spec.required_sass):
             raise CompileError(
                 f"{rendered.name}: " + "; ".join(problems) + f" (SASS families: {', '.join(families)})",
                 compiled.log, staging / "src" / rendered.spec.arch.value / f"{rendered.name}.cu",

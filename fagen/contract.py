@@ -29,7 +29,12 @@ from pathlib import PurePosixPath
 # ---------------------------------------------------------------------------- kernel key
 
 DIRECTIONS = ("fwd", "bwd")
-DTYPES = ("fp16", "bf16")
+# The element types of q, k and v. e4m3 (OCP FP8, torch.float8_e4m3fn) comes with descales
+# (FagenFwdParams.q_descale ...) and writes its output in OUTPUT_DTYPES' type.
+DTYPES = ("fp16", "bf16", "e4m3")
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "e4m3": 1}
+# The output's element type where it is not the inputs' (flash-attn's FP8 forward returns bf16).
+OUTPUT_DTYPES = {"e4m3": "bf16"}
 # The built-in masks (templates/include/fagen/algo/mask.cuh: MaskKind), in its order: what a
 # call's causal and window_size select (call_mask).
 MASKS = ("full", "causal", "local")
@@ -260,6 +265,22 @@ STRIDE_MULTIPLE = 8  # batch/row/head strides, in elements (16 bytes of fp16/bf1
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
 TMA_BOX_COLUMNS = 64  # FagenTmaMaps (params.h): boxes of 64 columns, 128-byte swizzle
 ELEMENT_BYTES = 2  # fp16 / bf16
+TMA_BOX_BYTES = 128  # a box row is one 128-byte swizzle row, whatever the element
+
+
+def output_dtype(dtype: str) -> str:
+    """The element type a forward with inputs of `dtype` writes its output in."""
+    return OUTPUT_DTYPES.get(dtype, dtype)
+
+
+def stride_multiple(dtype: str) -> int:
+    """Strides of a tensor of `dtype`, in elements, are multiples of this (16 bytes)."""
+    return ALIGNMENT_BYTES // DTYPE_BYTES[dtype]
+
+
+def tma_box_columns(dtype: str) -> int:
+    """Columns of a FagenTmaMaps box of `dtype` (128 bytes: 64 fp16/bf16, 128 e4m3)."""
+    return TMA_BOX_BYTES // DTYPE_BYTES[dtype]
 # FagenBwdTmaMaps.dq_accum: fp32, so a 128-byte swizzle row is 32 columns.
 ACCUM_BYTES = 4
 ACCUM_BOX_COLUMNS = 32
@@ -424,6 +445,14 @@ class SplitWorkspace:
             return cls(0, 0, 0)
         rows = num_splits * batch * seqlen_q * heads_q
         return cls(o_partial=0, lse_partial=rows * head_dim_v, floats=rows * (head_dim_v + 1))
+
+
+# A KV-cache call whose rows bring at least PAGED_TILE_MIN_QUERIES query tokens (a prefill) runs
+# on a tile kernel of the paged layout (FA3: K/V read once per 128 queries of a head, not once
+# per 16 GQA-packed rows) when the bundle has one; its K/V tiles load in runs of
+# CACHE_TMA_BOX_ROWS keys (the page-size multiple), each from its own page.
+PAGED_TILE_MIN_QUERIES = 128
+CACHE_TMA_BOX_ROWS = 16
 
 
 def companion_grid(batch: int, rows: int, heads: int) -> tuple[int, int, int]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 
-from .. import abi
+from .. import abi, contract
 from ..model import KernelSpec
 
-C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+C_ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3"}
 
 
 def build_context(spec: KernelSpec) -> dict:
@@ -22,10 +22,12 @@ def build_context(spec: KernelSpec) -> dict:
         "spec_json": json.dumps(spec.model_dump(mode="json"), sort_keys=True),
         "template_path": f"templates/kernels/{spec.TEMPLATE}",
         "element_type": C_ELEMENT_TYPES[spec.dtype],
+        "output_type": C_ELEMENT_TYPES[contract.output_dtype(spec.dtype)],
         "constexprs": spec.constexprs(),
         "mask_type": spec.mask_type,
         "custom_mask_name": spec.custom_mask.name if spec.custom_mask else "",
         "custom_mask_source": spec.custom_mask.source if spec.custom_mask else "",
+        "layout": spec.layout,
         "abi_version": abi.ABI_VERSION,
         "abi_struct": abi.C_STRUCT_NAMES[params],
         # Each struct a template's entry points take, for its static_asserts: the kernel's

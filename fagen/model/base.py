@@ -224,6 +224,9 @@ class KernelSpec(BaseModel):
     # The tensor layouts (contract.LAYOUTS) the algorithm's kernels take; algorithms.py finds a
     # spec's class by (fa_version, direction, layout).
     LAYOUTS: ClassVar[tuple[str, ...]] = contract.LAYOUTS[:1]
+    # The element types (contract.DTYPES) the algorithm's kernels take, and why not the others.
+    DTYPES: ClassVar[tuple[str, ...]] = ("fp16", "bf16")
+    WHY_DTYPES: ClassVar[str] = "e4m3 (FP8) runs on the FA3 forward (fa_version 3, sm90a) only"
 
     fa_version: int = Field(description="the algorithm: 1-4 (FlashAttention's versions; with "
                             "`direction` it picks the template, below)")
@@ -231,8 +234,10 @@ class KernelSpec(BaseModel):
                        "version only, an `a` target on exactly its compute capability")
     direction: Literal["fwd", "bwd"] = Field("fwd", description="the forward, or the backward (dQ, "
                                              "dK, dV from the forward's output and LSE)")
-    dtype: Literal["fp16", "bf16"] = Field(description="the element type of q, k, v, the output and "
-                                           "the gradients")
+    dtype: Literal[contract.DTYPES] = Field(
+        description="the element type of q, k, v, the output and the gradients: fp16, bf16, or "
+        "e4m3 (FP8, the FA3 forward only: q, k and v in e4m3 with descales given at run time, "
+        "the output in bf16)")
     head_dim: int = Field(description="q and k's last dimension (and v's, unless head_dim_v)")
     head_dim_v: int | None = Field(
         None, description="v's and the output's last dimension where it differs from head_dim "
@@ -338,7 +343,13 @@ class KernelSpec(BaseModel):
         cls._check_arch(arch)
         if mask in contract.MASK_KINDS:
             cls._check_mask(mask)
-        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score, head_dim_v)
+        dtype = data.get("dtype")
+        if dtype in contract.DTYPES:
+            cls._check_dtype(dtype)
+        else:
+            return data  # field validation names it
+        tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score, head_dim_v,
+                            data.get("layout", contract.LAYOUTS[0]), dtype)
         return {**data, "tile": tile.model_dump()}
 
     @classmethod
@@ -382,6 +393,14 @@ class KernelSpec(BaseModel):
             raise ValueError(
                 f"arch={value.value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} runs on "
                 f"{', '.join(a.value for a in cls.ARCHS)} only ({cls.WHY_ARCHS})")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        if value not in cls.DTYPES:
+            raise ValueError(f"dtype={value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} takes "
+                             f"{', '.join(cls.DTYPES)} ({cls.WHY_DTYPES})")
         return value
 
     @field_validator("mask")
@@ -430,15 +449,15 @@ class KernelSpec(BaseModel):
     # ---- per algorithm ----
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: TileBase, head_dim_v: int | None = None):
-        """The algorithm's derived constants and limits for the head dims and a tile (the
-        tuning table asks before a spec exists)."""
+    def geometry_of(head_dim: int, tile: TileBase, head_dim_v: int | None = None, dtype: str = "bf16"):
+        """The algorithm's derived constants and limits for the head dims, a tile and the
+        element type (the tuning table asks before a spec exists)."""
         raise NotImplementedError
 
     @property
     def geometry(self):
-        """geometry_of this spec's head dims and tile."""
-        return self.geometry_of(self.head_dim, self.tile, self.head_dim_v)
+        """geometry_of this spec's head dims, tile and element type."""
+        return self.geometry_of(self.head_dim, self.tile, self.head_dim_v, self.dtype)
 
     @property
     def value_dim(self) -> int:
@@ -451,6 +470,12 @@ class KernelSpec(BaseModel):
 
     def launch(self) -> contract.Launch:
         raise NotImplementedError
+
+    @property
+    def required_sass(self) -> tuple[str, ...]:
+        """The SASS families this kernel's cubin must contain (REQUIRED_SASS, where the element
+        type does not change the instructions)."""
+        return self.REQUIRED_SASS
 
     # ---- shared ----
 

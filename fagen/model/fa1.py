@@ -137,8 +137,9 @@ class Fa1ForwardSpec(KernelSpec):
     tile: Fa1Tile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa1Tile, head_dim_v: int | None = None) -> Fa1Geometry:
-        return Fa1Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, 1, head_dim_v=head_dim_v)
+    def geometry_of(head_dim: int, tile: Fa1Tile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa1Geometry:
+        return Fa1Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, 1, head_dim_v=head_dim_v,
+                           element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

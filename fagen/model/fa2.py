@@ -189,9 +189,10 @@ class Fa2ForwardSpec(KernelSpec):
     tile: Fa2Tile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa2Tile, head_dim_v: int | None = None) -> Fa2Geometry:
+    def geometry_of(head_dim: int, tile: Fa2Tile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa2Geometry:
         return Fa2Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                           head_dim_v=head_dim_v)
+                           head_dim_v=head_dim_v,
+                           element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

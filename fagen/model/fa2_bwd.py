@@ -262,9 +262,10 @@ class Fa2BackwardSpec(KernelSpec):
     tile: Fa2BwdTile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa2BwdTile, head_dim_v: int | None = None) -> Fa2BwdGeometry:
+    def geometry_of(head_dim: int, tile: Fa2BwdTile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa2BwdGeometry:
         return Fa2BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                              tile.warp_keys, tile.warp_queries, head_dim_v=head_dim_v)
+                              tile.warp_keys, tile.warp_queries, head_dim_v=head_dim_v,
+                              element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

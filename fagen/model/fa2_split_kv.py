@@ -187,9 +187,10 @@ class Fa2SplitKvSpec(KernelSpec):
     tile: Fa2SplitKvTile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa2SplitKvTile, head_dim_v: int | None = None) -> Fa2SplitKvGeometry:
+    def geometry_of(head_dim: int, tile: Fa2SplitKvTile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa2SplitKvGeometry:
         return Fa2SplitKvGeometry(head_dim, BLOCK_M, BLOCK_N, tile.warps, tile.stages,
-                                  head_dim_v=head_dim_v)
+                                  head_dim_v=head_dim_v,
+                                  element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

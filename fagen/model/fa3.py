@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .. import contract
 from .arch import Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .layout import (
-    ELEMENT_BYTES, MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, consumer_registers,
+    MBARRIERS_PER_STAGE, SWIZZLE_ROW_BYTES, TMA_COLUMNS, TmaRingLayout, consumer_registers,
     smem_limit_problems, value_dim_rule,
 )
 from .tuning import TuningRow
@@ -29,6 +29,9 @@ CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # head_dim values the tuning table uses, and head_dim + 8 for mma_row_sum's P V.
 WGMMA_N = (64, 72, 80, 96, 128, 136, 160, 176, 192, 256)
 WGMMA_MAX_N = 256
+# The e4m3 wrappers' N values: block_n of Q K^T (128: V^T rows are one 128-byte swizzle row of
+# keys) and head_dim_v of P V.
+WGMMA_E4M3_N = (64, 128, 256)
 # mma_row_sum: P V runs over one more n8 tile of V, whose columns are all ones, so that tile of
 # O holds the row sums of P.
 ROW_SUM_COLUMNS = 8
@@ -42,6 +45,10 @@ PRODUCER_REGISTERS = 24
 # spills under setmaxnreg 160.
 REGISTER_OVERHEAD = 28
 MBARRIERS_PER_Q_STAGE = 2  # q_full, q_empty
+# e4m3: each K/V stage also holds V^T (algo/v_transpose.cuh), with its own vt_full, vt_empty.
+MBARRIERS_PER_VT_STAGE = 2
+# e4m3: V^T's rows are block_n keys, one 128-byte swizzle row (the P V wgmma's K-major B).
+E4M3_BLOCK_N = SWIZZLE_ROW_BYTES
 # Consumer warpgroups per CTA. One-consumer tiles (two CTAs per SM) measured 35-50 % faster than
 # one such CTA per SM but still below the two-consumer tiles (run 23); three consumers keep
 # hd64's short MMAs fed (runs 11-20).
@@ -103,17 +110,35 @@ class Fa3Geometry(TmaRingLayout):
         return self.head_dim_v + (ROW_SUM_COLUMNS if self.mma_row_sum else 0)
 
     @property
+    def transposes_v(self) -> bool:
+        """e4m3: wgmma takes 8-bit B operands K-major only, so the producer warpgroup copies
+        each V tile into a V^T tile (algo/v_transpose.cuh) that P V reads."""
+        return self.element_bytes == 1
+
+    @property
+    def chunk_columns(self) -> int:
+        """Elements of a 128-byte swizzle row: the TMA box width and the wgmma atom."""
+        return SWIZZLE_ROW_BYTES // self.element_bytes
+
+    @property
+    def smem_vt_tile_bytes(self) -> int:
+        return self.head_dim_v * self.block_n * self.element_bytes if self.transposes_v else 0
+
+    @property
     def smem_v_stage_bytes(self) -> int:
         """mma_row_sum: each V tile is followed by a 64-column chunk of ones (block_n rows of
         128 bytes, all of them ones so that the swizzle cannot pick a wrong column), which the
         P V wgmma reads as its columns head_dim_v ... head_dim_v + 7: the chunk after V's last
-        one, at the same chunk stride."""
-        ones_chunk = self.block_n * TMA_COLUMNS * ELEMENT_BYTES if self.mma_row_sum else 0
-        return self.smem_v_tile_bytes + ones_chunk
+        one, at the same chunk stride. e4m3: by the V^T tile instead."""
+        ones_chunk = self.block_n * SWIZZLE_ROW_BYTES if self.mma_row_sum else 0
+        return self.smem_v_tile_bytes + ones_chunk + self.smem_vt_tile_bytes
 
     @property
     def smem_control_bytes(self) -> int:
-        return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + MBARRIERS_PER_STAGE * self.stages)
+        """The mbarriers, and with e4m3 the transposing warps' loads_end word (8 bytes)."""
+        per_stage = MBARRIERS_PER_STAGE + (MBARRIERS_PER_VT_STAGE if self.transposes_v else 0)
+        loads_end = 1 if self.transposes_v else 0
+        return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + per_stage * self.stages + loads_end)
 
     @property
     def consumer_registers(self) -> int:
@@ -125,7 +150,7 @@ class Fa3Geometry(TmaRingLayout):
         block j-1 is live while S of block j accumulates: that is this term)."""
         acc_o = self.pv_columns // 2
         acc_s = self.block_n // 2
-        p_fragments = self.block_n // 4
+        p_fragments = self.block_n * self.element_bytes // 8
         return acc_o + acc_s + p_fragments + REGISTER_OVERHEAD
 
     def problems(self, max_smem: int) -> list[str]:
@@ -152,6 +177,8 @@ class Fa3Geometry(TmaRingLayout):
             out.append(f"tile.mma_row_sum: no wgmma wrapper for N = {self.pv_columns}")
         if self.pingpong and self.consumers != 2:
             out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
+        if self.transposes_v:
+            out.extend(self._e4m3_problems())
         if not (2 <= self.stages <= 4):
             out.append(f"tile.stages={self.stages}: must be in [2, 4]")
         if out:
@@ -163,6 +190,22 @@ class Fa3Geometry(TmaRingLayout):
                 f"per consumer thread at {self.head_dims}; consumers get "
                 f"{self.consumer_registers}"
             )
+        return out
+
+
+    def _e4m3_problems(self) -> list[str]:
+        out = []
+        for name, dim in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
+            if dim % self.chunk_columns:
+                out.append(f"{name}={dim}: e4m3 tiles need a multiple of {self.chunk_columns} (a "
+                           "128-byte swizzle row of one-byte elements; 64 would need the 64-byte "
+                           "swizzle, not built)")
+        if self.block_n != E4M3_BLOCK_N:
+            out.append(f"tile.block_n={self.block_n}: e4m3 needs {E4M3_BLOCK_N} (V^T's rows are "
+                       "block_n keys, one 128-byte swizzle row)")
+        if self.mma_row_sum:
+            out.append("tile.mma_row_sum: not with e4m3 (its row sums would be of P rounded to "
+                       "e4m3; the softmax sums it in fp32)")
         return out
 
 
@@ -217,6 +260,10 @@ TUNING: tuple[TuningRow, ...] = (
               "softcap or ALiBi: the three-consumer row below spilled 12-120 bytes at its 160 "
               "registers with the modifier's (2026-12-02); two consumers have 240",
               score=("softcap", "alibi")),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
+              "the paged layout (a KV-cache prefill): the three-consumer row below spilled 12 "
+              "bytes at its 160 registers with the cache's row state and the V rows' clearing "
+              "(2026-12-02); two consumers have 240", layout="paged"),
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 64,
               "a custom mask: the three-consumer row below spilled 4 bytes with the document "
               "mask's element mask on every block (2026-12-02); two consumers have 240",
@@ -276,6 +323,16 @@ TUNING: tuple[TuningRow, ...] = (
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
               causal=True),
+    # ---- e4m3 (FP8): block_n is 128 (E4M3_BLOCK_N); each stage holds K, V and V^T.
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3), 128,
+              "e4m3: S 64 + O 64 + P 16 regs per consumer; a third K/V/V^T stage (161 KB smem) "
+              "measured 583/635 against 499/523 TFLOP/s causal and 601/638 against 596/627 "
+              "non-causal at 4k/16k (one round each, 2026-12-04); ping-pong 467-532, below both",
+              dtypes=("e4m3",)),
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 256,
+              "e4m3: O alone is 128 regs per consumer (S 64 + P 16 beside it, of the 240 two "
+              "consumers get); 225 KB smem (Q 32 KB + 2 stages x K, V, V^T 32 KB each)",
+              dtypes=("e4m3",)),
 )
 
 
@@ -286,7 +343,10 @@ class Fa3ForwardSpec(KernelSpec):
         head_dim_problem, "the tuning rows choose a tile by head_dim, whose O must fit the "
         "consumers' registers"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
-    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
+    # paged: a KV-cache call's prefill (many query rows), its K/V tiles gathered through the block
+    # table in runs of contract.CACHE_TMA_BOX_ROWS keys; decode goes to the split-KV kernels.
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen", "paged")
+    DTYPES: ClassVar[tuple[str, ...]] = contract.DTYPES
     FA_VERSION: ClassVar[int] = 3
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa3_fwd_sm90.cu.j2"
@@ -298,11 +358,26 @@ class Fa3ForwardSpec(KernelSpec):
     direction: Literal["fwd"] = "fwd"
     tile: Fa3Tile
 
+    @model_validator(mode="after")
+    def _check_e4m3_variant(self) -> "Fa3ForwardSpec":
+        """e4m3 kernels exist for the dense layout with the built-in masks and no score
+        modifier: their descales scale the scores, which the modifiers' code does not yet take."""
+        if self.dtype != "e4m3":
+            return self
+        if self.layout != "dense":
+            raise ValueError(f"layout={self.layout}: e4m3 kernels take the dense layout only")
+        if self.score:
+            raise ValueError(f"score={'+'.join(self.score)}: e4m3 kernels take no score modifier")
+        if self.mask == "custom":
+            raise ValueError("mask: a custom mask is not built for e4m3 kernels")
+        return self
+
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa3Tile, head_dim_v: int | None = None) -> Fa3Geometry:
+    def geometry_of(head_dim: int, tile: Fa3Tile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa3Geometry:
         return Fa3Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
                            tile.pingpong, tile.early_first_qk, tile.peel_masked_blocks,
-                           tile.mma_row_sum, head_dim_v=head_dim_v)
+                           tile.mma_row_sum, head_dim_v=head_dim_v,
+                           element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
@@ -325,9 +400,21 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kSmemVOffset", g.smem_v_offset),
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemBytes", g.smem_bytes),
+            Constexpr("kPaged", self.layout == "paged"),
+            Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
+            Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
+            Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
         ]
+
+    @property
+    def required_sass(self) -> tuple[str, ...]:
+        """e4m3's wgmma is QGMMA in SASS (HGMMA: the 16-bit one)."""
+        if self.dtype == "e4m3":
+            return tuple("QGMMA" if family == "HGMMA" else family for family in self.REQUIRED_SASS)
+        return self.REQUIRED_SASS
 
     def launch(self) -> contract.Launch:
         g = self.geometry
+        kv_rows = contract.CACHE_TMA_BOX_ROWS if self.layout == "paged" else g.block_n
         return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes,
-                               grid="persistent", tma_q_rows=g.block_m, tma_kv_rows=g.block_n)
+                               grid="persistent", tma_q_rows=g.block_m, tma_kv_rows=kv_rows)

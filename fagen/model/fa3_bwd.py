@@ -281,8 +281,9 @@ class Fa3BackwardSpec(KernelSpec):
     tile: Fa3BwdTile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa3BwdTile, head_dim_v: int | None = None) -> Fa3BwdGeometry:
-        return Fa3BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages, head_dim_v=head_dim_v)
+    def geometry_of(head_dim: int, tile: Fa3BwdTile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa3BwdGeometry:
+        return Fa3BwdGeometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages, head_dim_v=head_dim_v,
+                              element_bytes=contract.DTYPE_BYTES[dtype])
 
     @property
     def producer_registers(self) -> int:

@@ -156,9 +156,10 @@ class Fa4ForwardSpec(KernelSpec):
     tile: Fa4Tile
 
     @staticmethod
-    def geometry_of(head_dim: int, tile: Fa4Tile, head_dim_v: int | None = None) -> Fa4Geometry:
+    def geometry_of(head_dim: int, tile: Fa4Tile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa4Geometry:
         return Fa4Geometry(head_dim, tile.block_m, tile.block_n, tile.warps, tile.stages,
-                           head_dim_v=head_dim_v)
+                           head_dim_v=head_dim_v,
+                           element_bytes=contract.DTYPE_BYTES[dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from .arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM
 
-ELEMENT_BYTES = 2  # fp16 / bf16
+ELEMENT_BYTES = 2  # fp16 / bf16: the element of the algorithms whose DTYPES are those alone
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: every TMA tile starts on this boundary
 TMA_COLUMNS = 64  # 128-byte swizzle: a TMA box (and a wgmma atom) is 64 fp16/bf16 columns wide
+SWIZZLE_ROW_BYTES = 128  # ... and 128 bytes whatever the element
 MBARRIERS_PER_STAGE = 4  # per K/V ring stage: k_full, k_empty, v_full, v_empty
 SETMAXNREG_GRANULE = 8  # setmaxnreg counts are multiples of 8
 
@@ -57,7 +58,8 @@ def smem_limit_problems(geometry, max_smem: int) -> list[str]:
 @dataclass(frozen=True)
 class TileGeometry:
     """The fields of every kernel geometry, in the positional order of their constructors;
-    head_dim is q and k's, head_dim_v v's and the output's (None: head_dim)."""
+    head_dim is q and k's, head_dim_v v's and the output's (None: head_dim); element_bytes the
+    size of q, k and v's element (contract.DTYPE_BYTES)."""
 
     head_dim: int
     block_m: int
@@ -65,6 +67,7 @@ class TileGeometry:
     warps: int
     stages: int
     head_dim_v: int | None = field(default=None, kw_only=True)
+    element_bytes: int = field(default=ELEMENT_BYTES, kw_only=True)
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -99,7 +102,7 @@ class TmaRingLayout(TileGeometry):
 
     @property
     def smem_q_tile_bytes(self) -> int:
-        return self.block_m * self.head_dim * ELEMENT_BYTES
+        return self.block_m * self.head_dim * self.element_bytes
 
     @property
     def smem_k_offset(self) -> int:
@@ -108,12 +111,12 @@ class TmaRingLayout(TileGeometry):
     @property
     def smem_kv_tile_bytes(self) -> int:
         """A K tile (block_n x head_dim)."""
-        return self.block_n * self.head_dim * ELEMENT_BYTES
+        return self.block_n * self.head_dim * self.element_bytes
 
     @property
     def smem_v_tile_bytes(self) -> int:
         """A V tile (block_n x head_dim_v)."""
-        return self.block_n * self.head_dim_v * ELEMENT_BYTES
+        return self.block_n * self.head_dim_v * self.element_bytes
 
     @property
     def smem_v_offset(self) -> int:

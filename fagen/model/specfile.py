@@ -110,7 +110,7 @@ def expand_entry(index: int, entry: dict[str, Any], out: Expansion,
             # variant) would otherwise double in number for a few percent at 512-1k keys.
             if (fields.get("tile", "auto") == "auto" and "max_seqlen_k" not in fields
                     and not spec.score and spec.head_dim_v is None and spec.custom_mask is None):
-                for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.mask):
+                for bound in seqlen_bounds(type(spec), spec.arch, spec.head_dim, spec.mask, spec.dtype):
                     out.specs.append(KernelSpec.model_validate({**fields, "max_seqlen_k": bound}))
         except ValidationError as exc:
             why = _first_error(exc, auto_tile=fields.get("tile", "auto") == "auto")

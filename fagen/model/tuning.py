@@ -44,24 +44,34 @@ class TuningRow:
     # The mask kind the row is for (custom: a user's mask, whose element mask runs on every
     # visited block): it serves only those kernels, before the general rows. None: any.
     mask: str | None = None
+    # The layout the row is for (contract.LAYOUTS), where that layout's code made the general
+    # tile spill: it serves only those kernels, before the general rows. None: any.
+    layout: str | None = None
+    # The element types (contract.DTYPES) the row serves: an e4m3 kernel's tile differs from the
+    # 16-bit ones' (1-byte rows, a V^T tile), so each row names the types it was measured for.
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
 
 
 def _bucket_rows(algorithm: type[KernelSpec], head_dim: int, mask: str,
-                 score: tuple[str, ...] = (), head_dim_v: int | None = None) -> list[TuningRow]:
+                 score: tuple[str, ...] = (), head_dim_v: int | None = None,
+                 layout: str = "dense", dtype: str = "bf16") -> list[TuningRow]:
     rows = [r for r in algorithm.TUNING_ROWS if head_dim <= r.max_head_dim
             and r.causal in (None, mask != "full")
             and not (mask in ("local", "custom") and r.max_seqlen_k is not None)
             and (r.score is None or set(r.score) & set(score))
             and r.head_dim_v in (None, head_dim_v)
-            and r.mask in (None, mask)]
+            and r.mask in (None, mask)
+            and r.layout in (None, layout)
+            and dtype in r.dtypes]
     if not rows:
         raise ValueError(
-            f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} "
+            f"tile: auto has no entry for fa_version={algorithm.FA_VERSION} dtype={dtype} "
             f"{algorithm.DIRECTION} at head_dim={head_dim}; give the tile explicitly"
         )
     bucket = min(r.max_head_dim for r in rows)
     rows = [r for r in rows if r.max_head_dim == bucket]
-    special = [r for r in rows if r.score is not None or r.head_dim_v is not None or r.mask is not None]
+    special = [r for r in rows if r.score is not None or r.head_dim_v is not None or r.mask is not None
+               or r.layout is not None]
     return special + [r for r in rows if r not in special]
 
 
@@ -76,18 +86,18 @@ def _serving_bound(bounds: set[int | None], max_seqlen_k: int | None) -> int | N
 
 def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, mask: str = "full",
                  max_seqlen_k: int | None = None, score: tuple[str, ...] = (),
-                 head_dim_v: int | None = None) -> TileBase:
+                 head_dim_v: int | None = None, layout: str = "dense", dtype: str = "bf16") -> TileBase:
     """The tile of the first row of `algorithm`'s head-dim bucket that fits `arch`, the mask,
-    the score modifiers and the v head dim (None: head_dim), among the rows that serve calls of
+    the score modifiers, the v head dim (None: head_dim) and the layout, among the rows that serve calls of
     up to `max_seqlen_k` keys (None: the unbounded rows).
 
     Raises ValueError naming every row tried and why it was rejected.
     """
-    rows = _bucket_rows(algorithm, head_dim, mask, score, head_dim_v)
+    rows = _bucket_rows(algorithm, head_dim, mask, score, head_dim_v, layout, dtype)
     bound = _serving_bound({r.max_seqlen_k for r in rows}, max_seqlen_k)
     tried: list[str] = []
     for row in (r for r in rows if r.max_seqlen_k == bound):
-        geometry = algorithm.geometry_of(head_dim, row.tile, head_dim_v)
+        geometry = algorithm.geometry_of(head_dim, row.tile, head_dim_v, dtype)
         problems = geometry.problems(ARCHS[arch].max_smem_per_block)
         if not problems:
             return row.tile
@@ -99,15 +109,15 @@ def resolve_tile(algorithm: type[KernelSpec], arch: Arch, head_dim: int, mask: s
 
 
 def seqlen_bounds(algorithm: type[KernelSpec], arch: Arch, head_dim: int,
-                  mask: str = "full") -> list[int]:
+                  mask: str = "full", dtype: str = "bf16") -> list[int]:
     """The seqlen_k bounds `tile: auto` builds extra kernels for on this target, ascending:
     those with a fitting row whose tile differs from the unbounded choice."""
-    rows = _bucket_rows(algorithm, head_dim, mask)
-    general = resolve_tile(algorithm, arch, head_dim, mask)
+    rows = _bucket_rows(algorithm, head_dim, mask, dtype=dtype)
+    general = resolve_tile(algorithm, arch, head_dim, mask, dtype=dtype)
     bounds = []
     for bound in sorted({r.max_seqlen_k for r in rows} - {None}):
         try:
-            tile = resolve_tile(algorithm, arch, head_dim, mask, bound)
+            tile = resolve_tile(algorithm, arch, head_dim, mask, bound, dtype=dtype)
         except ValueError:
             continue  # no row of this bound fits the target
         if tile != general:

@@ -11,11 +11,13 @@ from .call import (
     attention_backward, prepare,
 )
 from .driver import DriverError
+from .e4m3 import Descales
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid, load, runs_on
 
 __all__ = [
-    "AttentionError", "BackwardTensors", "Bundle", "BundleError", "DriverError", "KernelEntry", "KernelNotFound",
-    "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Score", "ScoreError", "ScoreTensors", "Tensor",
+    "AttentionError", "BackwardTensors", "Bundle", "BundleError", "Descales", "DriverError", "KernelEntry",
+    "KernelNotFound", "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Score", "ScoreError",
+    "ScoreTensors", "Tensor",
     "attention", "attention_backward",
     "launch_grid", "load", "prepare", "runs_on",
 ]

@@ -5,7 +5,9 @@
 kernel choice, the parameter struct, the TMA maps, the grid); the returned ``PreparedAttention``
 launches it for any output address on any stream of the device. ``attention`` is both in one
 call. Tensors are in flash-attn's layout (batch, seqlen, heads, head_dim), given as a device
-address and (batch, row, head) element strides, the last dimension contiguous.
+address and (batch, row, head) element strides, the last dimension contiguous. q, k and v are of
+the problem's dtype, the output of contract.output_dtype(dtype) (e4m3 inputs: a bf16 output,
+their descales given as a fagen.runtime.e4m3.Descales).
 
 The kernels run in the device's primary context (the one torch and the CUDA runtime use): the
 pointers and the stream must belong to it; the caller's current context is current again
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 
 from .. import contract
 from ..abi import BwdParams, FwdParams
-from ..contract import ALIGNMENT_BYTES, MAX_GRID_YZ, STRIDE_MULTIPLE, TMA_BOX_COLUMNS, KernelEntry
-from . import driver
+from ..contract import ALIGNMENT_BYTES, MAX_GRID_YZ, KernelEntry
+from . import driver, e4m3
+from .e4m3 import Descales
 from .loader import Bundle, LoadedKernel, launch_grid
 
 
@@ -55,7 +58,7 @@ class Problem:
     and `window_size` by flash-attn's rule (contract.call_mask); the score modifiers (softcap
     value, whether ALiBi slopes and sinks come with the call: their arrays are ScoreTensors)."""
 
-    dtype: str  # "fp16" | "bf16"
+    dtype: str  # of q, k and v: contract.DTYPES; the output's is contract.output_dtype(dtype)
     causal: bool
     batch: int
     seqlen_q: int
@@ -190,15 +193,27 @@ def check_problem(problem: Problem) -> None:
         raise AttentionError(str(error)) from None
     if not isinstance(problem.score, contract.Score):
         raise AttentionError(f"score={problem.score!r}: a fagen.contract.Score")
+    if problem.dtype == e4m3.E4M3 and (
+            found := e4m3.call_problem("fwd", problem.layout, problem.score.mods, problem.mask_mod)):
+        raise AttentionError(found)
 
 
-def _check_tensor(name: str, tensor: Tensor, tma: bool) -> None:
+def _check_descales(problem: Problem, descales: Descales | None) -> None:
+    if found := e4m3.descales_problem(problem.dtype, descales):
+        raise AttentionError(found)
+
+
+def _check_tensor(name: str, tensor: Tensor, tma: bool, dtype: str = "bf16") -> None:
+    """params.h's rule for a tensor of element `dtype` (fp16 and bf16, the default, share it):
+    16-byte aligned, strides of whole 16-byte vectors (contract.stride_multiple), non-zero
+    where a TMA map describes it."""
+    multiple = contract.stride_multiple(dtype)
     if tensor.data == 0 or tensor.data % ALIGNMENT_BYTES:
         raise AttentionError(f"{name} must be a non-null, {ALIGNMENT_BYTES}-byte aligned device pointer")
     for stride in tensor.strides:
-        if stride % STRIDE_MULTIPLE or stride < 0 or (tma and stride == 0):
+        if stride % multiple or stride < 0 or (tma and stride == 0):
             raise AttentionError(
-                f"{name} strides {tensor.strides} must be multiples of {STRIDE_MULTIPLE} elements"
+                f"{name} strides {tensor.strides} must be multiples of {multiple} elements"
                 + (" and non-zero (TMA kernel)" if tma else ""))
 
 
@@ -212,11 +227,11 @@ def _encode_tensor_map(*arguments) -> bytes:
 
 def _tensor_map(dtype: str, tensor: Tensor, seqlen: int, heads: int, batch: int, head_dim: int,
                 box_rows: int) -> bytes:
-    element = contract.ELEMENT_BYTES
+    element = contract.DTYPE_BYTES[dtype]
     return _encode_tensor_map(
         dtype, tensor.data, (head_dim, seqlen, heads, batch),
         (tensor.row_stride * element, tensor.head_stride * element, tensor.batch_stride * element),
-        (TMA_BOX_COLUMNS, box_rows, 1, 1),
+        (contract.tma_box_columns(dtype), box_rows, 1, 1),
     )
 
 
@@ -253,9 +268,10 @@ def _blob_array(blob: bytes) -> ctypes.Array:
 
 def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch,
              varlen: Varlen | None = None) -> ctypes.Array:
-    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch) (V: head_dim_v),
-    boxes of launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows; varlen: over the packed
-    rows, batch 1."""
+    """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch) (V: head_dim_v) of
+    the problem's dtype, boxes of one 128-byte swizzle row (contract.tma_box_columns) by
+    launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows; varlen: over the packed rows,
+    batch 1."""
     return _blob_array(_qkv_map_blob(problem, q, k, v, launch, varlen))
 
 
@@ -290,12 +306,13 @@ def _score_fields(scale: contract.KernelScale, arrays: ScoreTensors) -> dict:
 
 def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                scale: contract.KernelScale, arrays: ScoreTensors = ScoreTensors(),
-               varlen: Varlen | None = None) -> FwdParams:
+               varlen: Varlen | None = None, descales: Descales | None = None) -> FwdParams:
     """FagenFwdParams with o = lse = 0 (the launch fills them); lse is (batch, heads_q,
-    seqlen_q) contiguous (varlen: (heads_q, total_q))."""
+    seqlen_q) contiguous (varlen: (heads_q, total_q)); descales: an e4m3 call's (None: 1.0)."""
     p = problem
     if varlen is not None:
-        params = fwd_params(problem, _packed(q), _packed(k), _packed(v), _packed(out), scale, arrays)
+        params = fwd_params(problem, _packed(q), _packed(k), _packed(v), _packed(out), scale, arrays,
+                            descales=descales)
         params.lse_batch_stride, params.lse_head_stride = 0, varlen.total_q
         params.cu_seqlens_q, params.cu_seqlens_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
         params.seqused_k = varlen.seqused_k or None
@@ -309,7 +326,7 @@ def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         lse_batch_stride=p.heads_q * p.seqlen_q, lse_head_stride=p.seqlen_q,
         batch=p.batch, heads_q=p.heads_q, heads_kv=p.heads_kv, seqlen_q=p.seqlen_q,
         seqlen_k=p.seqlen_k, window_left=p.mask.window_left, window_right=p.mask.window_right,
-        **_score_fields(scale, arrays),
+        **_score_fields(scale, arrays), **(descales or Descales()).params_fields(),
     )
 
 
@@ -362,17 +379,19 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
             softmax_scale: float | None = None, device: int = 0,
             entry: KernelEntry | None = None,
             score_tensors: ScoreTensors = ScoreTensors(),
-            varlen: Varlen | None = None) -> PreparedAttention:
+            varlen: Varlen | None = None, *, descales: Descales | None = None) -> PreparedAttention:
     """Check the call, pick its kernel for the device (select(), unless `entry` names one of the
     bundle's kernels) and build everything its launches need; `varlen`: the packing of a varlen
-    problem. Raises AttentionError for a call the kernels cannot run, KernelNotFound when the
-    bundle has no kernel for it, ScaleError for a softmax_scale they cannot answer."""
+    problem; `descales`: an e4m3 problem's (None: all 1.0). Raises AttentionError for a call the
+    kernels cannot run, KernelNotFound when the bundle has no kernel for it, ScaleError for a
+    softmax_scale they cannot answer."""
     check_problem(problem)
     _check_varlen(problem, varlen)
     if problem.seqlen_k == 0:
         raise AttentionError("need seqlen_k >= 1: without keys every row's result is O = 0 and "
                              "LSE = -inf, which the caller writes")
     _check_score_tensors(problem, score_tensors)
+    _check_descales(problem, descales)
     scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
     entry = entry or select(bundle, problem, device)
     _check_entry(entry, problem.key)
@@ -385,26 +404,26 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
                              f"at most {MAX_GRID_YZ} (CUDA grid limit)")
     tma = entry.launch.tma_q_rows > 0
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1), tma)
-    _check_tensor("out", out, False)
+        _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1), tma, problem.dtype)
+    _check_tensor("out", out, False, contract.output_dtype(problem.dtype))
     extra = (tma_maps(problem, q, k, v, entry.launch, varlen),) if tma else ()
     workspace = 4 * entry.launch.workspace_floats(problem.seqlen_q, problem.heads_q, problem.batch)
-    return PreparedAttention(bundle.kernel(entry), grid,
-                             bytes(fwd_params(problem, q, k, v, out, scale, score_tensors, varlen)), extra,
-                             device, workspace)
+    params = fwd_params(problem, q, k, v, out, scale, score_tensors, varlen, descales)
+    return PreparedAttention(bundle.kernel(entry), grid, bytes(params), extra, device, workspace)
 
 
 def attention(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
               lse: int = 0, *, softmax_scale: float | None = None, stream: int = 0,
               device: int = 0, workspace: int = 0,
-              score_tensors: ScoreTensors = ScoreTensors()) -> None:
+              score_tensors: ScoreTensors = ScoreTensors(), descales: Descales | None = None) -> None:
     """prepare() and launch() in one call, asynchronous on `stream`; a call without any output
     element launches nothing. Rows that see no key get 0 and LSE -inf."""
     if problem.batch * problem.seqlen_q * problem.heads_q == 0:
         check_problem(problem)
+        _check_descales(problem, descales)
         return
     prepare(bundle, problem, q, k, v, out, softmax_scale, device,
-            score_tensors=score_tensors).launch(out.data, lse, stream, workspace)
+            score_tensors=score_tensors, descales=descales).launch(out.data, lse, stream, workspace)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -490,6 +509,8 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
     for bit, on every run); `score_tensors`: the modifiers' arrays, and with sinks dsinks, which
     the backward writes (deterministic in either mode); `varlen`: the packing of a varlen
     problem. Raises like prepare()."""
+    if problem.dtype == e4m3.E4M3:
+        raise AttentionError(e4m3.call_problem("bwd", problem.layout, problem.score.mods, problem.mask_mod))
     check_problem(problem)
     _check_varlen(problem, varlen)
     if problem.seqlen_k == 0 or problem.batch * problem.seqlen_q * problem.heads_q == 0:

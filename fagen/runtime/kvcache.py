@@ -18,9 +18,15 @@ from .. import contract
 from ..abi import FwdParams
 from ..contract import MAX_GRID_YZ, KernelEntry
 from . import driver
-from .call import (AttentionError, Problem, ScoreTensors, Tensor, _check_entry, _check_score_tensors,
-                   _check_tensor, check_problem, fwd_params)
-from .loader import Bundle, LoadedKernel, launch_grid
+from .call import (AttentionError, Problem, ScoreTensors, Tensor, _blob_array, _check_entry, _check_score_tensors,
+                   _check_tensor, _map_tensor, _tensor_map, check_problem, fwd_params)
+from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid
+
+# The algorithms of the paged layout's kernels: the split-KV decode kernels (grid `splits`,
+# fagen/model/fa2_split_kv.py) and the tile kernels of a prefill (FA3's paged layout,
+# fagen/model/fa3.py), which contract.PAGED_TILE_MIN_QUERIES chooses between.
+SPLIT_KV_FA_VERSION = 2
+TILE_FA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class PreparedKvCacheAttention:
     num_splits: int
     workspace: contract.SplitWorkspace
     device: int
+    extra_params: tuple = ()  # a tile kernel's FagenTmaMaps
 
     @property
     def workspace_bytes(self) -> int:
@@ -83,7 +90,7 @@ class PreparedKvCacheAttention:
             params.o_partial = workspace + 4 * self.workspace.o_partial
             params.lse_partial = workspace + 4 * self.workspace.lse_partial
         self.enqueue_append(stream)
-        self.kernel.enqueue(params, self.grid, stream, self.device)
+        self.kernel.enqueue(params, self.grid, stream, self.device, self.extra_params)
         if self.num_splits > 1:
             self.kernel.enqueue_companion(contract.SPLIT_COMBINE_SUFFIX, params, self.companion_grid,
                                           contract.COMPANION_THREADS, stream)
@@ -104,7 +111,7 @@ def _check_cache(problem: Problem, cache: KvCache, entry: KernelEntry) -> None:
         if getattr(cache, name) % 4:
             raise AttentionError(f"{name}: an int32 device array, 4-byte aligned")
     if cache.block_table:
-        block_n = entry.launch.block_n
+        block_n = entry.launch.block_n if entry.launch.grid == "splits" else entry.launch.tma_kv_rows
         if cache.page_size <= 0 or cache.page_size % block_n:
             raise AttentionError(f"page_size={cache.page_size}: must be a positive multiple of {block_n} "
                                  f"(kernel {entry.name} reads {block_n} keys at a time, within one page)")
@@ -123,10 +130,26 @@ def split_count_for(bundle: Bundle, problem: Problem, device: int = 0) -> int:
     and the device's SMs alone (contract.split_count), so one decided before a CUDA graph's
     capture holds for every replay (flash-attn's get_scheduler_metadata)."""
     check_problem(problem)
-    entry = bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k)
+    entry = select_kvcache(bundle, problem, device)
+    if entry.launch.grid != "splits":
+        return 1
     one_split = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                             problem.seqlen_k, problem.heads_kv)
     return _split_count(entry, problem, device, one_split)
+
+
+def select_kvcache(bundle: Bundle, problem: Problem, device: int = 0, num_splits: int = 0) -> KernelEntry:
+    """The kernel of a paged-layout call: a prefill (seqlen_q >= contract.PAGED_TILE_MIN_QUERIES,
+    not asked for splits) prefers a tile kernel, anything else the split-KV kernels; either
+    takes the other algorithm's kernel where the bundle has only that."""
+    capability = driver.compute_capability(device)
+    prefill = problem.seqlen_q >= contract.PAGED_TILE_MIN_QUERIES and num_splits <= 1
+    for fa_version in (TILE_FA_VERSION, SPLIT_KV_FA_VERSION) if prefill else (SPLIT_KV_FA_VERSION, TILE_FA_VERSION):
+        try:
+            return bundle.select(problem.key, capability, problem.seqlen_k, fa_version=fa_version)
+        except KernelNotFound:
+            pass
+    return bundle.select(problem.key, capability, problem.seqlen_k)  # raises, saying what the bundle holds
 
 
 def _split_count(entry: KernelEntry, problem: Problem, device: int, one_split: tuple[int, int, int]) -> int:
@@ -156,13 +179,17 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= contract.MAX_SPLITS:
         raise AttentionError(f"num_splits={num_splits!r}: 0 (chosen from the shapes) or 1..{contract.MAX_SPLITS}")
     scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
-    entry = entry or bundle.select(problem.key, driver.compute_capability(device), problem.seqlen_k)
+    entry = entry or select_kvcache(bundle, problem, device, num_splits)
     _check_entry(entry, problem.key)
     _check_cache(problem, cache, entry)
+    tiles = entry.launch.grid != "splits"
     for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
-        _check_tensor(name, tensor, False)
+        packed = cache.cu_seqlens_q and name in ("q", "out")
+        _check_tensor(name, _map_tensor(tensor, cache.total_q) if packed else tensor, tiles and name != "out")
     if new_keys is not None:
         _check_new_keys(problem, cache, new_keys)
+    if tiles:
+        return _prepare_tiles(bundle, entry, problem, q, k, v, out, cache, scale, device, score_tensors, new_keys)
     one_split = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                             problem.seqlen_k, problem.heads_kv)
     if one_split[1] > MAX_GRID_YZ or one_split[2] > MAX_GRID_YZ:
@@ -172,8 +199,22 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
         num_splits = _split_count(entry, problem, device, one_split)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv, num_splits)
+    params, append_grid = _serving_params(problem, q, k, v, out, cache, scale, score_tensors, new_keys)
+    params.num_splits = num_splits
+    workspace = contract.SplitWorkspace.of(num_splits, problem.batch, problem.seqlen_q, problem.heads_q,
+                                           problem.value_dim)
+    return PreparedKvCacheAttention(bundle.kernel(entry), grid,
+                                    contract.companion_grid(problem.batch, problem.seqlen_q, problem.heads_q),
+                                    append_grid, bytes(params), num_splits, workspace, device)
+
+
+def _serving_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache: KvCache,
+                    scale: contract.KernelScale, score_tensors: ScoreTensors,
+                    new_keys: NewKeys | None) -> tuple[FwdParams, tuple[int, int, int] | None]:
+    """FagenFwdParams of a paged-layout call (one split), and the append's grid (None: no new keys)."""
     params = fwd_params(problem, q, k, v, out, scale, score_tensors)
     if cache.cu_seqlens_q:
+        params.q_batch_stride = params.o_batch_stride = 0
         params.lse_batch_stride, params.lse_head_stride = 0, cache.total_q
     params.cu_seqlens_q = cache.cu_seqlens_q or None
     params.seqused_k = cache.seqused_k or None
@@ -181,18 +222,42 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     params.block_table_batch_stride = cache.block_table_batch_stride
     params.page_size = cache.page_size
     params.pages = cache.pages
-    params.num_splits = num_splits
+    params.num_splits = 1
     append_grid = None
     if new_keys is not None and new_keys.seqlen_new > 0:
         params.k_new, params.v_new, params.seqlen_new = new_keys.k.data, new_keys.v.data, new_keys.seqlen_new
         (params.k_new_batch_stride, params.k_new_row_stride, params.k_new_head_stride) = new_keys.k.strides
         (params.v_new_batch_stride, params.v_new_row_stride, params.v_new_head_stride) = new_keys.v.strides
         append_grid = contract.companion_grid(problem.batch, new_keys.seqlen_new, problem.heads_kv)
-    workspace = contract.SplitWorkspace.of(num_splits, problem.batch, problem.seqlen_q, problem.heads_q,
-                                           problem.value_dim)
-    return PreparedKvCacheAttention(bundle.kernel(entry), grid,
-                                    contract.companion_grid(problem.batch, problem.seqlen_q, problem.heads_q),
-                                    append_grid, bytes(params), num_splits, workspace, device)
+    return params, append_grid
+
+
+def _prepare_tiles(bundle: Bundle, entry: KernelEntry, problem: Problem, q: Tensor, k: Tensor, v: Tensor,
+                   out: Tensor, cache: KvCache, scale: contract.KernelScale, device: int,
+                   score_tensors: ScoreTensors, new_keys: NewKeys | None) -> PreparedKvCacheAttention:
+    """A paged-layout call on a tile kernel (FA3, templates/include/fagen/fa3/forward.cuh: kPaged):
+    its persistent grid (a CTA per work item for packed rows of mixed lengths, as a varlen call's),
+    Q's map over dense or packed q, K's and V's over the pages (page_size rows, pages batch rows)
+    or the contiguous cache, in boxes of the runs of keys the kernel loads."""
+    p = problem
+    grid = launch_grid(entry, p.seqlen_q, p.heads_q, p.batch, device)
+    if cache.cu_seqlens_q and contract.varlen_walks_items(p.batch, p.seqlen_q, cache.total_q):
+        grid = entry.launch.grid_dims(p.seqlen_q, p.heads_q, p.batch, 1 << 31)
+    if grid[0] == 0:
+        raise AttentionError("a KV-cache call needs seqlen_q, heads and batch >= 1")
+    params, append_grid = _serving_params(p, q, k, v, out, cache, scale, score_tensors, new_keys)
+    q_rows, q_batch = (max(cache.total_q, 1), 1) if cache.cu_seqlens_q else (p.seqlen_q, p.batch)
+    kv_rows, kv_batch = (cache.page_size, cache.pages) if cache.block_table else (p.seqlen_k, p.batch)
+    box = entry.launch.tma_kv_rows
+    maps = _blob_array(b"".join((
+        _tensor_map(p.dtype, _map_tensor(q, q_rows) if cache.cu_seqlens_q else q, q_rows, p.heads_q, q_batch,
+                    p.head_dim, entry.launch.tma_q_rows),
+        _tensor_map(p.dtype, k, kv_rows, p.heads_kv, kv_batch, p.head_dim, box),
+        _tensor_map(p.dtype, v, kv_rows, p.heads_kv, kv_batch, p.value_dim, box),
+    )))
+    return PreparedKvCacheAttention(bundle.kernel(entry), grid, (0, 0, 0), append_grid, bytes(params), 1,
+                                    contract.SplitWorkspace.of(1, p.batch, p.seqlen_q, p.heads_q, p.value_dim),
+                                    device, (maps,))
 
 
 def _check_new_keys(problem: Problem, cache: KvCache, new_keys: NewKeys) -> None:

@@ -1,11 +1,14 @@
-"""flash_attn_func on fagen kernels, registered as the torch custom op ``fagen::flash_attn_fwd``.
+"""flash_attn_func on fagen kernels, registered as the torch custom ops ``fagen::flash_attn_fwd``
+(fp16, bf16) and ``fagen::flash_attn_fwd_fp8`` (float8_e4m3fn inputs with their descales, a bf16
+output; fagen.torch.e4m3).
 
 Input requirements of the kernels (params.h): the last dimension contiguous, data pointers
-16-byte aligned, batch/row/head strides multiples of 8 elements. Tensors that do not meet them
-(e.g. a slice along head_dim, or a view at an odd offset) are copied to a contiguous tensor
-first; any view whose last dimension is contiguous and whose strides are multiples of 8 (such as
-a transpose of (batch, heads, seqlen, head_dim), or a broadcast K/V) is used as is, except that
-TMA kernels (FA3) copy broadcast (stride 0) tensors, which a tensor map cannot describe.
+16-byte aligned, batch/row/head strides multiples of 16 bytes (8 fp16/bf16 elements, 16 e4m3).
+Tensors that do not meet them (e.g. a slice along head_dim, or a view at an odd offset) are
+copied to a contiguous tensor first; any view whose last dimension is contiguous and whose
+strides are such multiples (such as a transpose of (batch, heads, seqlen, head_dim), or a
+broadcast K/V) is used as is, except that TMA kernels (FA3) copy broadcast (stride 0) tensors,
+which a tensor map cannot describe.
 
 The adapter keeps what is torch's: the tensor checks, the copies, the output allocations, the
 cache of prepared launches and the custom op. Selecting, checking, parameterising and launching
@@ -26,11 +29,16 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import contract, paths
-from ..contract import ALIGNMENT_BYTES, STRIDE_MULTIPLE
+from ..contract import ALIGNMENT_BYTES
 from ..runtime import Bundle, driver, load
 from ..runtime import call as runtime_call
+from . import e4m3
 
+# The element types of every call (flash_attn_func, varlen, KV cache, merge), and beside them
+# those of flash_attn_func's FP8 forward: all the adapter's tensors by contract.DTYPES name.
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ELEMENT_NAMES = {**_DTYPE_NAMES, **e4m3.FP8_DTYPE_NAMES}
+_ELEMENT_DTYPES = {name: dtype for dtype, name in _ELEMENT_NAMES.items()}
 
 _bundles: dict[str, Bundle] = {}
 # Same, keyed by the unresolved request and the environment it depends on: saves resolving
@@ -92,9 +100,9 @@ def eager_call(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def kernel_key(dtype: torch.dtype, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:
-    """The forward's key for a torch dtype; mask: one of contract.MASKS, mods of
-    contract.SCORE_MODS."""
-    return contract.kernel_key("fwd", _DTYPE_NAMES[dtype], head_dim, mask, mods)
+    """The forward's key for a torch dtype (float16, bfloat16, float8_e4m3fn); mask: one of
+    contract.MASKS, mods of contract.SCORE_MODS."""
+    return contract.kernel_key("fwd", _ELEMENT_NAMES[dtype], head_dim, mask, mods)
 
 
 def _check_score_inputs(q: torch.Tensor, softcap: float, alibi_slopes: Optional[torch.Tensor],
@@ -149,16 +157,18 @@ def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional
     return arrays, (alibi, sink, args)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shape and dtype rules (also run by the fake implementation, i.e. at trace time)."""
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: dict = _DTYPE_NAMES) -> None:
+    """Shape and dtype rules (also run by the fake implementation, i.e. at trace time); `dtypes`:
+    the op's element types."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
                 f"fagen.flash_attn_func: {name} must be 4-D (batch, seqlen, nheads, head_dim), "
                 f"got shape {tuple(t.shape)}"
             )
-    if q.dtype not in _DTYPE_NAMES:
-        raise TypeError(f"fagen.flash_attn_func: q has dtype {q.dtype}; supported: float16, bfloat16")
+    if q.dtype not in dtypes:
+        supported = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise TypeError(f"fagen.flash_attn_func: q has dtype {q.dtype}; supported: {supported}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
             f"fagen.flash_attn_func: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -183,9 +193,20 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"fagen.flash_attn_func: {problem} (v's last dimension)")
 
 
+def _check_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple) -> None:
+    """The FP8 op's rules (also run at trace time): e4m3 q, k, v and flash-attn's descales."""
+    _check_inputs(q, k, v, e4m3.FP8_DTYPE_NAMES)
+    e4m3.check_descales(q, k, descales)
+
+
 def _output_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
     """(batch, seqlen_q, nheads_q, head_dim_v): the output has v's head dim."""
     return (*q.shape[:3], v.shape[3])
+
+
+def _output_dtype(q: torch.Tensor) -> torch.dtype:
+    """The output's dtype: q's, bf16 for e4m3 inputs (contract.output_dtype)."""
+    return _ELEMENT_DTYPES[contract.output_dtype(_ELEMENT_NAMES[q.dtype])]
 
 
 def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -203,13 +224,14 @@ def _kernel_strides(t: torch.Tensor, nonzero: bool = False) -> tuple[int, int, i
     dimensions, which a tensor map cannot describe."""
     if t.stride(3) != 1 or t.data_ptr() % ALIGNMENT_BYTES:
         return None
+    multiple = contract.stride_multiple(_ELEMENT_NAMES[t.dtype])
     batch, seqlen, heads, head_dim = t.shape
     contiguous = (seqlen * heads * head_dim, heads * head_dim, head_dim)
     strides = []
     for size, stride, fallback in zip((batch, seqlen, heads), t.stride()[:3], contiguous):
         if size == 1:
             stride = fallback
-        if stride % STRIDE_MULTIPLE or (nonzero and stride == 0):
+        if stride % multiple or (nonzero and stride == 0):
             return None
         strides.append(stride)
     return tuple(strides)
@@ -231,7 +253,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              sinks: bool = False, mask_mod: Optional[str] = None) -> runtime_call.Problem:
     batch, seqlen_q, heads_q, head_dim = q.shape
     head_dim_v = v.shape[3]
-    return runtime_call.Problem(_DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
+    return runtime_call.Problem(_ELEMENT_NAMES[q.dtype], causal, batch, seqlen_q, k.shape[1],
                                 heads_q, k.shape[2], head_dim, tuple(window),
                                 contract.Score(softcap, alibi, sinks),
                                 None if head_dim_v == head_dim else head_dim_v, mask_mod)
@@ -240,8 +262,9 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 class _PreparedLaunch(NamedTuple):
     """A launch prepared by the runtime, and what the adapter adds: the device and, until the
     launch is enqueued, the kernel-ready q, k, v the parameters point to (copies where the
-    inputs needed one) and the modifiers' fp32 arrays; () once kept for later calls, which must
-    not keep the caller's tensors alive (the addresses are part of the cache key instead)."""
+    inputs needed one) and the modifiers' fp32 arrays (an FP8 call's descales are the caller's,
+    never copied); () once kept for later calls, which must not keep the caller's tensors alive
+    (the addresses are part of the cache key instead)."""
 
     attention: runtime_call.PreparedAttention
     inputs: tuple
@@ -252,14 +275,15 @@ def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.
              softmax_scale: float | None, softcap: float = 0.0,
              alibi_slopes: Optional[torch.Tensor] = None,
              learnable_sink: Optional[torch.Tensor] = None, mask_mod: Optional[str] = None,
-             mask_args: Optional[torch.Tensor] = None) -> _PreparedLaunch:
+             mask_args: Optional[torch.Tensor] = None, descales: Optional[tuple] = None) -> _PreparedLaunch:
     uses_tma = entry.launch.tma_q_rows > 0
     q, k, v = (_kernel_ready(t, uses_tma) for t in (q, k, v))
     arrays, kept = _score_arrays(alibi_slopes, learnable_sink, mask_args)
     problem = _problem(q, k, v, causal, window, softcap, alibi_slopes is not None, learnable_sink is not None,
                        mask_mod)
     prepared = runtime_call.prepare(kernels, problem, _tensor(q), _tensor(k), _tensor(v), _tensor(out),
-                                    softmax_scale, q.device.index, entry, arrays)
+                                    softmax_scale, q.device.index, entry, arrays,
+                                    descales=None if descales is None else e4m3.runtime_descales(descales))
     return _PreparedLaunch(prepared, (q, k, v, *kept))
 
 
@@ -290,18 +314,22 @@ def prepare_launch(
     out: torch.Tensor, lse: torch.Tensor, softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
-    mask_args: Optional[torch.Tensor] = None,
+    mask_args: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
 ):
     """Everything a launch of `entry` (any kernel of the bundle for its key) on these tensors
     needs, done once; returns the launch itself, which enqueues on torch's current stream when
     called. For tests and benchmarks that run a chosen kernel; `window_size` for a local one,
     the score modifiers' values and arrays for a kernel with them, a custom mask's arguments for
-    a kernel with one."""
+    a kernel with one, the descales (flash_attn_func's) for an e4m3 one, whose `out` is bf16."""
     mask = contract.KernelKey.parse(entry.key).mask
     mask_mod = None if mask in contract.MASKS else mask
+    descales = (q_descale, k_descale, v_descale) if q.dtype in e4m3.FP8_DTYPE_NAMES else None
+    if descales is not None:
+        e4m3.check_descales(q, k, descales)
     with driver.primary_context(q.device.index):
         prepared = _prepare(kernels, entry, q, k, v, out, mask == "causal", window_size, softmax_scale,
-                            softcap, alibi_slopes, learnable_sink, mask_mod, mask_args)
+                            softcap, alibi_slopes, learnable_sink, mask_mod, mask_args, descales)
     return functools.partial(_launch_in_primary_context, prepared, out, lse)
 
 
@@ -325,11 +353,12 @@ def _array_signature(t: Optional[torch.Tensor]) -> tuple:
 
 
 def _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
-                    learnable_sink, mask_mod=None, mask_args=None) -> tuple:
+                    learnable_sink, mask_mod=None, mask_args=None, descales=None) -> tuple:
     return (_bundle_request(bundle), causal, window, softmax_scale, softcap, q.device, q.dtype, k.dtype, v.dtype,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, k.shape, v.shape,
             q.stride(), k.stride(), v.stride(), _array_signature(alibi_slopes),
-            _array_signature(learnable_sink), mask_mod, _array_signature(mask_args))
+            _array_signature(learnable_sink), mask_mod, _array_signature(mask_args),
+            () if descales is None else tuple(map(_array_signature, descales)))
 
 
 def _flash_attn_fwd(
@@ -351,22 +380,35 @@ def _flash_attn_fwd(
     """out, lse of one forward. `deterministic` is the backward's (saved for it by the op's
     autograd, fagen/torch/backward.py); the forward is deterministic anyway. `mask_mod`: a
     custom mask's name, `mask_args` its arguments."""
+    return _forward(q, k, v, causal, (window_left, window_right), softmax_scale, bundle, softcap, alibi_slopes,
+                    learnable_sink, mask_mod, mask_args)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int],
+             softmax_scale: Optional[float], bundle: Optional[str], softcap: float = 0.0,
+             alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
+             mask_mod: Optional[str] = None, mask_args: Optional[torch.Tensor] = None,
+             descales: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out, lse of either forward op: fp16/bf16 inputs (`descales` None), or e4m3 inputs with
+    their three descales (each None: 1.0) and a bf16 output."""
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
-    window = (window_left, window_right)
     signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
-                                learnable_sink, mask_mod, mask_args)
+                                learnable_sink, mask_mod, mask_args, descales)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
         with driver.primary_context(prepared.attention.device):
-            out = torch.empty(_output_shape(q, v), dtype=q.dtype, device=q.device)
+            out = torch.empty(_output_shape(q, v), dtype=_output_dtype(q), device=q.device)
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
             _launch(prepared, out, lse)
         return out, lse
 
-    _check_inputs(q, k, v)
-    _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
-    _check_mask_mod(q, mask_mod, mask_args, causal, window)
+    if descales is None:
+        _check_inputs(q, k, v)
+        _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
+        _check_mask_mod(q, mask_mod, mask_args, causal, window)
+    else:
+        _check_fp8_inputs(q, k, v, descales)
     _check_device(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
     contract.kernel_scale_log2(softmax_scale, head_dim)  # refused before any allocation
@@ -377,7 +419,7 @@ def _flash_attn_fwd(
     runtime_call.check_problem(problem)  # the window's sizes, before any allocation
     entry = runtime_call.select(kernels, problem, device)
     with driver.primary_context(device):
-        out = torch.empty(_output_shape(q, v), dtype=q.dtype, device=q.device)
+        out = torch.empty(_output_shape(q, v), dtype=_output_dtype(q), device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel() == 0:
             return out, lse
@@ -391,7 +433,7 @@ def _flash_attn_fwd(
                 lse.copy_(learnable_sink.to(torch.float32).view(1, heads_q, 1).expand_as(lse))
             return out, lse
         prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale, softcap,
-                            alibi_slopes, learnable_sink, mask_mod, mask_args)
+                            alibi_slopes, learnable_sink, mask_mod, mask_args, descales)
         given = (q, k, v, alibi_slopes, learnable_sink, mask_args)
         if all(ready is None or ready is arg for ready, arg in zip(prepared.inputs, given)):
             if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
@@ -412,5 +454,37 @@ def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_l
     _check_mask_mod(q, mask_mod, mask_args, causal, (window_left, window_right))
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(_output_shape(q, v))
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+def _flash_attn_fwd_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softmax_scale: Optional[float],
+    bundle: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (bf16), lse of one forward of float8_e4m3fn q, k, v with flash-attn's descales (None:
+    1.0; fagen.runtime.e4m3 says how the kernels apply them). Forward only: no autograd."""
+    return _forward(q, k, v, causal, (window_left, window_right), softmax_scale, bundle,
+                    descales=(q_descale, k_descale, v_descale))
+
+
+flash_attn_fwd_fp8 = torch.library.custom_op("fagen::flash_attn_fwd_fp8", mutates_args=())(_flash_attn_fwd_fp8)
+
+
+@flash_attn_fwd_fp8.register_fake
+def _flash_attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, window_left, window_right,
+                             softmax_scale, bundle):
+    _check_fp8_inputs(q, k, v, (q_descale, k_descale, v_descale))
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(_output_shape(q, v), dtype=_output_dtype(q))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse

@@ -4,7 +4,8 @@ The checks a call must pass before anything is traced or launched (options fagen
 implement, the mask flag, the softmax scale), then the fastest route to the kernels: plain
 eager calls go straight to the implementation (with an autograd.Function when a gradient is
 recorded), traced calls (torch.compile, export, fake or other dispatch modes, tensor
-subclasses) through the custom ops `fagen::flash_attn_fwd` / `fagen::flash_attn_bwd`.
+subclasses) through the custom ops `fagen::flash_attn_fwd` / `fagen::flash_attn_bwd`, and for
+float8_e4m3fn inputs `fagen::flash_attn_fwd_fp8` (forward only).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 
 from .. import contract
 from ..runtime import Bundle
-from .adapter import _flash_attn_fwd, bundle_argument, eager_call, flash_attn_fwd
+from . import e4m3
+from .adapter import (
+    _flash_attn_fwd, _flash_attn_fwd_fp8, bundle_argument, eager_call, flash_attn_fwd, flash_attn_fwd_fp8,
+)
 from .backward import FlashAttention
 
 # flash-attn's flash_attn_func options fagen does not implement, with the value that means "off":
@@ -67,6 +71,9 @@ def flash_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     bundle: str | os.PathLike | Bundle | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     **flash_attn_options,
 ):
     """Attention in flash-attn's layout: q (batch, seqlen_q, nheads_q, head_dim), k (batch,
@@ -74,6 +81,18 @@ def flash_attn_func(
     on one CUDA device; differentiable in q, k and v. head_dim_v may differ from head_dim
     (DeepSeek-V3's 192/128; kernels built with head_dim_v). Everything after q, k, v is
     keyword-only.
+
+    FP8: q, k and v all torch.float8_e4m3fn (OCP e4m3: 4 exponent and 3 mantissa bits, at most
+    448 in magnitude) run the e4m3 kernels (Hopper, FA3; in the bundle as dtype: e4m3), forward
+    only, with a bf16 output. Each tensor stores its values divided by a scale, and flash-attn's
+    `q_descale`, `k_descale`, `v_descale` multiply them back: scores = q_descale * k_descale *
+    softmax_scale * (q k^T of the stored values), out = v_descale * (P v). Each is a float32
+    tensor on q's device of shape (batch, nheads_kv) (q's too: a query head takes the descale of
+    the K/V head it reads), or of a shape that broadcasts to it ((), (1,) or (1, 1) for one
+    value, (1, nheads_kv), (batch, 1)), or None for 1.0; used in place, views included, so a
+    CUDA graph replays with the values they hold then. causal and window_size work as for bf16;
+    softcap, alibi_slopes, learnable_sink and mask_mod do not (yet), nor do inputs that require
+    grad. The descales are refused with fp16/bf16 inputs.
 
     nheads_q must be a multiple of nheads_kv (GQA/MQA; dk, dv are summed over the query heads a
     K/V head serves). `causal` (a bool) masks bottom-right aligned (query row i sees keys
@@ -98,8 +117,9 @@ def flash_attn_func(
     $FAGEN_BUNDLE, else fagen's default bundle. flash-attn's dropout_p and return_attn_probs are
     accepted only at their "off" values.
 
-    Returns out (batch, seqlen_q, nheads_q, head_dim_v), plus, with return_lse, the natural-log
-    LSE (batch, nheads_q, seqlen_q) in float32 (not differentiable).
+    Returns out (batch, seqlen_q, nheads_q, head_dim_v) in q's dtype (bf16 for e4m3 inputs),
+    plus, with return_lse, the natural-log LSE (batch, nheads_q, seqlen_q) in float32 (not
+    differentiable).
     """
     if extra_positional or flash_attn_options:
         _check_options(extra_positional, flash_attn_options)
@@ -121,8 +141,9 @@ def flash_attn_func(
     if mask_mod is not None and deterministic:
         raise NotImplementedError("fagen.flash_attn_func: deterministic=True takes the built-in masks only "
                                   f"(mask_mod={mask_mod!r})")
+    descales = (q_descale, k_descale, v_descale)
     for name, array in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
-                        ("mask_args", mask_args)):
+                        ("mask_args", mask_args), *zip(e4m3.DESCALE_NAMES, descales)):
         if array is not None and not isinstance(array, torch.Tensor):
             raise TypeError(f"fagen.flash_attn_func: {name} must be a tensor or None, got {type(array).__name__}")
     try:
@@ -139,6 +160,14 @@ def flash_attn_func(
                             f"{softmax_scale!r}")
         softmax_scale = float(softmax_scale)
         contract.kernel_scale_log2(softmax_scale, q.shape[-1])  # refused before tracing or launch
+    if e4m3.is_fp8_call(q, k, v, descales):
+        e4m3.check_fp8_call(q, k, v, {
+            "softcap": softcap > 0, "alibi_slopes": alibi_slopes is not None,
+            "learnable_sink": learnable_sink is not None, "mask_mod": mask_mod is not None,
+            "mask_args": mask_args is not None})
+        forward = _flash_attn_fwd_fp8 if eager_call(q, k, v, *descales) else flash_attn_fwd_fp8
+        out, lse = forward(q, k, v, *descales, causal, window_left, window_right, softmax_scale, bundle)
+        return (out, lse) if return_lse else out
     eager = eager_call(q, k, v, alibi_slopes, learnable_sink, mask_args)
     arguments = (q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
                  softmax_scale, bundle, deterministic, mask_mod, mask_args)

@@ -42,10 +42,14 @@ def _rows_ready(t: torch.Tensor, name: str, dims: int) -> torch.Tensor:
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch or page, row, head) element strides of a 4-D tensor, or of a packed 3-D one (no
-    batch stride); a dimension of size 1 is never indexed, so it may have any stride."""
+    batch stride); a dimension of size 1 is never indexed, so it takes its contiguous stride
+    (which a tensor map of the tile kernels can describe, where 0 cannot)."""
     if t.dim() == 3:
         return (0, t.stride(0), t.stride(1))
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape[:3], t.stride()[:3]))
+    _, seqlen, heads, head_dim = t.shape
+    contiguous = (seqlen * heads * head_dim, heads * head_dim, head_dim)
+    return tuple(fallback if size == 1 else stride
+                 for size, stride, fallback in zip(t.shape[:3], t.stride()[:3], contiguous))
 
 
 def _tensor(t: torch.Tensor) -> runtime_call.Tensor:

@@ -20,7 +20,7 @@ from fagen.cli import main
 from fagen.codegen import RenderedKernel
 from fagen.compiler import CompileError
 from fagen.compiler.sass import disassemble
-from fagen.model import algorithm_for, load_spec_file
+from fagen.model import KernelSpec, algorithm_for, load_spec_file
 from fagen.model.specfile import Expansion
 
 JOBS = os.cpu_count() or 1
@@ -29,7 +29,7 @@ JOBS = os.cpu_count() or 1
 def test_every_kernel_has_its_algorithms_sass_and_no_local_memory(ci_small):
     out, report = ci_small
     for entry in report.manifest.kernels:
-        required = algorithm_for(entry.fa_version, entry.spec["direction"], entry.spec.get("layout", "dense")).REQUIRED_SASS
+        required = KernelSpec.model_validate(entry.spec).required_sass
         assert set(required) <= set(entry.sass), entry.name
         assert not {"LDL", "STL"} & set(entry.sass), entry.name
 

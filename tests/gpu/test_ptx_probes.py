@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,20 @@ def sm90a_arch() -> str:
     return "sm_90a"
 
 
+def cuda_include_dirs() -> list[Path]:
+    """The CUDA toolkit's headers (cuda_fp8.h ..., which the e4m3 probe's algo/element.cuh
+    includes): NVRTC 13 has no default include path; the GPU machine has a toolkit beside its
+    NVRTC, the build machine NVRTC's bundled headers (fagen.compiler.headers)."""
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp8.h").is_file():
+            return [Path(root) / "include"]
+    try:
+        from fagen.compiler.headers import bundled_include_dirs
+    except ImportError:
+        return []
+    return list(bundled_include_dirs())
+
+
 @functools.lru_cache(maxsize=None)
 def compile_probe(name: str, arch: str) -> bytes:
     """Cubin of probes/<name>.cu for `arch`; fails the test with NVRTC's log on an error."""
@@ -66,7 +81,8 @@ def compile_probe(name: str, arch: str) -> bytes:
     )
     assert err == ok, f"nvrtcCreateProgram: {err}"
     try:
-        options = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{INCLUDE_DIR}".encode()]
+        options = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{INCLUDE_DIR}".encode(),
+                   *(f"-I{d}".encode() for d in cuda_include_dirs())]
         (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
         result, size = nvrtc.nvrtcGetProgramLogSize(program)
         assert result == ok, f"nvrtcGetProgramLogSize: {result}"
@@ -332,3 +348,52 @@ def test_setmaxnreg_named_barriers(sm90a_arch):
     assert roles.tolist() == [128, 128, 128], f"threads past setmaxnreg: {roles.tolist()}"
     assert counter.item() == 8, f"{counter.item()} turns taken, expected 8"
     assert log.tolist() == [1, 2] * 4, f"turn order {log.tolist()}"
+
+
+# ------------------------------------------------------------------------- sm_90a, e4m3
+def e4m3_exact(*shape: int) -> torch.Tensor:
+    """Random multiples of 1/8 in [-4, 4] rounded to e4m3 (fp32, CPU): every product is a
+    multiple of 1/64 below 16, so 128-term sums are exact in fp32."""
+    return (torch.randint(-32, 33, shape, dtype=torch.int32).float() / 8).to(torch.float8_e4m3fn).float()
+
+
+def e4m3_map(t: torch.Tensor, box_rows: int) -> ctypes.Array:
+    """A TMA map over a contiguous (rows, columns) e4m3 matrix as (columns, rows, 1, 1), boxes of
+    128 one-byte columns x `box_rows`, 128-byte swizzle (the FP8 forward's maps)."""
+    from fagen.runtime import driver
+
+    rows, columns = t.shape
+    assert t.dtype == torch.float8_e4m3fn and t.is_contiguous()
+    blob = driver.encode_tiled_tensor_map("e4m3", t.data_ptr(), (columns, rows, 1, 1),
+                                          (columns, rows * columns, rows * columns), (128, box_rows, 1, 1))
+    return (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+
+
+def test_wgmma_ss_e4m3(sm90a_arch):
+    """wgmma m64n128k32 e4m3 with both operands K-major in shared memory (Q K^T's shape at
+    head_dim 128, block_n 128): D = A @ B^T; D starts as NaN, so the first k-step must overwrite."""
+    torch.manual_seed(0)
+    a, b = e4m3_exact(64, 128), e4m3_exact(128, 128)
+    a_dev, b_dev = a.to(torch.float8_e4m3fn).cuda(), b.to(torch.float8_e4m3fn).cuda()
+    d = nan_tensor(64, 128)
+    smem = SWIZZLE_ATOM_BYTES + 64 * 128 + 128 * 128 + BARRIER_BYTES
+    kernel = probe_kernel("wgmma_e4m3", sm90a_arch, "probe_wgmma_ss_e4m3", smem)
+    run(kernel, 1, 128, smem, e4m3_map(a_dev, 64), e4m3_map(b_dev, 128), ptr(d))
+    assert_matrix_equal(d, a @ b.T)
+
+
+@pytest.mark.parametrize("columns", [128, 256])
+def test_wgmma_rs_e4m3_through_v_transpose(sm90a_arch, columns):
+    """O += P V as the FP8 forward computes it: P (64 x 128 keys) from the fp32 accumulator layout
+    through pack_a_fragment<e4m3>, V (128 keys x `columns`) landed by TMA and turned into V^T by
+    transpose_v_tile (keys permuted within every 16 to match P's registers), wgmma m64nNk32 with
+    A from registers: D = C + P @ V, exactly."""
+    torch.manual_seed(columns)
+    p = e4m3_exact(64, 128).abs()  # probabilities are non-negative
+    v, c = e4m3_exact(128, columns), exact_values(64, columns)
+    v_dev, p_dev, c_dev = v.to(torch.float8_e4m3fn).cuda(), p.cuda(), c.cuda()
+    d = nan_tensor(64, columns)
+    smem = SWIZZLE_ATOM_BYTES + 2 * 128 * columns + BARRIER_BYTES
+    kernel = probe_kernel("wgmma_e4m3", sm90a_arch, f"probe_wgmma_rs_e4m3_n{columns}", smem)
+    run(kernel, 1, 128, smem, e4m3_map(v_dev, 128), ptr(p_dev), ptr(c_dev), ptr(d))
+    assert_matrix_equal(d, c + p @ v)

@@ -97,7 +97,7 @@ def test_markup_in_paths_and_fields_is_printed_as_is(tmp_path, capsys):
                       name="[bold]x[red].yaml")
     code, _, err = run(capsys, "build", spec)
     assert code == 1
-    assert one_error(err) == f"error: {spec}: kernels[0]: dtype: Input should be 'fp16' or 'bf16'"
+    assert one_error(err) == f"error: {spec}: kernels[0]: dtype: Input should be 'fp16', 'bf16' or 'e4m3'"
     named = tmp_path / "named.yaml"
     named.write_text("bundle: '[red]b[/red]'\nkernels: []\n")
     code, _, err = run(capsys, "build", named)

@@ -35,7 +35,7 @@ def test_a_paged_spec_is_the_split_kv_algorithm():
 
 @pytest.mark.parametrize("fields, match", [
     ({"mask": "causal"}, "one local kernel serves all three"),
-    ({"fa_version": 3, "arch": "sm90a"}, "fa_version=3 layout=paged: fagen has no kernel template"),
+    ({"fa_version": 4, "arch": "sm100a"}, "fa_version=4 layout=paged: fagen has no kernel template"),
     ({"tile": {"warps": 4, "stages": 2, "block_n": 32}}, "block_n=16"),
     ({"tile": {"warps": 3, "stages": 2}}, "tile.warps=3"),
     ({"arch": "sm86", "head_dim": 256, "tile": {"warps": 4, "stages": 4}}, "bytes of shared memory"),
@@ -222,3 +222,54 @@ def test_a_merge_runs_in_a_paged_kernels_cubin(paged_bundle, fake):  # noqa: F81
         prepare_merge(paged_bundle, "bf16", 2, 5, 32, 100, a, b, out)
     with pytest.raises(AttentionError, match="lse_b"):
         prepare_merge(paged_bundle, "bf16", 2, 5, 32, 96, a, _states(0x300000, 0), out)
+
+
+@pytest.fixture
+def prefill_bundle(tmp_path):
+    split = kernel_entry("sm90", "fwd/bf16/hd128/local")
+    split.update(key="fwd/bf16/hd128/local/paged",
+                 launch={"threads": 128, "block_m": 16, "block_n": 16, "dynamic_smem": 108800, "grid": "splits",
+                         "min_split_keys": 256})
+    tiles = kernel_entry("sm90a", "fwd/bf16/hd128/local", fa_version=3)
+    tiles.update(key="fwd/bf16/hd128/local/paged",
+                 launch={"threads": 384, "block_m": 128, "dynamic_smem": 164864, "grid": "persistent",
+                         "tma_q_rows": 128, "tma_kv_rows": contract.CACHE_TMA_BOX_ROWS})
+    return load(write_bundle(tmp_path / "b", [split, tiles]))
+
+
+def test_a_prefill_runs_on_the_tile_kernel_and_a_decode_on_the_split_kernels(prefill_bundle, fake):  # noqa: F811
+    decode = prepare_kvcache(prefill_bundle, PAGED_PROBLEM, *_tensors(), CACHE)
+    assert decode.kernel.entry.fa_version == 2 and decode.extra_params == ()
+    rows = contract.PAGED_TILE_MIN_QUERIES
+    prefill = Problem("bf16", True, 4, rows, 1024, 32, 8, 128, layout="paged")
+    prepared = prepare_kvcache(prefill_bundle, prefill, *_tensors(seqlen_q=rows), CACHE)
+    assert prepared.kernel.entry.fa_version == 3 and prepared.num_splits == 1 and prepared.workspace_bytes == 0
+    # Q over (batch, seqlen_q) rows in tiles of 128; K and V over the pages, in runs of 16 keys.
+    q_map, k_map, v_map = fake.maps[-3:]
+    assert q_map[2] == (128, rows, 32, 4) and q_map[4] == (64, 128, 1, 1)
+    assert k_map[2] == v_map[2] == (128, 64, 8, 64) and k_map[4] == (64, contract.CACHE_TMA_BOX_ROWS, 1, 1)
+    prepared.launch(0x600000, 0xA00000, 0)
+    (main,) = fake.launches
+    assert main["grid"] == (min(4 * 32, 132), 1, 1)
+    assert (main["params"].block_table, main["params"].page_size, main["params"].num_splits) == (0x900000, 64, 1)
+    # Asked for splits, a prefill takes the split-KV kernels; the tile kernel refuses pages it cannot gather.
+    assert prepare_kvcache(prefill_bundle, prefill, *_tensors(seqlen_q=rows), CACHE,
+                           num_splits=2).kernel.entry.fa_version == 2
+    with pytest.raises(AttentionError, match="multiple of 16"):
+        prepare_kvcache(prefill_bundle, prefill, *_tensors(seqlen_q=rows, page_size=24),
+                        KvCache(seqused_k=0x800000, block_table=0x900000, block_table_batch_stride=64,
+                                page_size=24, pages=64))
+
+
+def test_a_packed_prefill_maps_the_packed_rows(prefill_bundle, fake):  # noqa: F811
+    q, k, v, out = _tensors()
+    total = 700
+    packed_q = Tensor(q.data, 0, 32 * 128, 128)
+    cache = KvCache(seqused_k=0x800000, block_table=0x900000, block_table_batch_stride=16, page_size=64, pages=64,
+                    cu_seqlens_q=0x880000, total_q=total)
+    problem = Problem("bf16", True, 4, 300, 1024, 32, 8, 128, layout="paged")
+    prepared = prepare_kvcache(prefill_bundle, problem, packed_q, k, v, Tensor(out.data, 0, 32 * 128, 128), cache)
+    assert prepared.kernel.entry.fa_version == 3
+    assert fake.maps[-3][2] == (128, total, 32, 1)
+    p = abi.FwdParams.from_buffer_copy(prepared.params)
+    assert (p.o_batch_stride, p.lse_batch_stride, p.lse_head_stride, p.cu_seqlens_q) == (0, 0, total, 0x880000)

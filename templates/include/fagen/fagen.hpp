@@ -937,13 +937,14 @@ public:
     const std::string& directory() const { return state_->directory; }
 
     // The best kernel for `key` on a device of compute capability cc_major.cc_minor, for calls
-    // with `seqlen_k` keys (0: unknown) (rules of runs_on/preferred_over); the error says what
-    // the bundle holds and how to add the kernel.
+    // with `seqlen_k` keys (0: unknown) (rules of runs_on/preferred_over), of launch grid `grid`
+    // (FAGEN_GRID_*) when it is >= 0; the error says what the bundle holds and how to add the
+    // kernel.
     Result<const FagenKernelInfo*> select(const std::string& key, int cc_major, int cc_minor,
-                                          long long seqlen_k = 0) const {
+                                          long long seqlen_k = 0, int grid = -1) const {
         const FagenKernelInfo* best = nullptr;
         for (const FagenKernelInfo& info : fagen_kernels) {
-            if (key == info.key && runs_on(info, cc_major, cc_minor) &&
+            if (key == info.key && runs_on(info, cc_major, cc_minor) && (grid < 0 || info.grid == grid) &&
                 (best == nullptr || preferred_over(info, *best, seqlen_k))) {
                 best = &info;
             }
@@ -964,7 +965,7 @@ public:
     // The loaded kernel for `key` and calls with `seqlen_k` keys (0: unknown) on the current
     // context's device (device 0 if none is current), with its dynamic shared-memory limit raised
     // on that device. Loads and verifies the cubin on first use; thread-safe.
-    Result<const Kernel*> kernel(const std::string& key, long long seqlen_k = 0) {
+    Result<const Kernel*> kernel(const std::string& key, long long seqlen_k = 0, int grid = -1) {
         auto d = driver();
         if (!d.ok()) return d.status();
         const Driver& cu = *d.value();
@@ -972,7 +973,7 @@ public:
         if (!device.ok()) return device.status();
         auto cc = current_compute_capability();
         if (!cc.ok()) return cc.status();
-        auto info = select(key, cc.value().first, cc.value().second, seqlen_k);
+        auto info = select(key, cc.value().first, cc.value().second, seqlen_k, grid);
         if (!info.ok()) return info.status();
 
         std::lock_guard<std::mutex> lock(state_->mutex);
@@ -1464,7 +1465,10 @@ private:
     Result<const Kernel*> kvcache_kernel(const KvCacheAttention& a) {
         const Result<CallMask> mask = kvcache_mask(a);
         if (!mask.ok()) return mask.status();
-        return kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"), a.seqlen_k);
+        // The split-KV kernels only: a prefill's tile kernels of the paged layout (FA3) run from
+        // Python (fagen/runtime/kvcache.py: select_kvcache), not yet from here.
+        return kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"), a.seqlen_k,
+                      FAGEN_GRID_SPLITS);
     }
 
     // A varlen call's offsets and sizes (fagen/runtime/call.py: _check_varlen).

@@ -14,7 +14,8 @@
 // 7: cu_seqlens_k (FagenFwdParams), cu_seqlens_q, cu_seqlens_k and total_q (FagenBwdParams):
 //    the varlen layout.
 // 8: k_new, v_new, their strides and seqlen_new (a KV-cache call's append); FagenMergeParams.
-#define FAGEN_ABI_VERSION 8
+// 9: q_descale, k_descale, v_descale and their strides (the e4m3 element's descales).
+#define FAGEN_ABI_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -105,6 +106,16 @@ typedef struct FagenFwdParams {
     long long k_new_batch_stride, k_new_row_stride, k_new_head_stride;
     long long v_new_batch_stride, v_new_row_stride, v_new_head_stride;
     int seqlen_new;
+    // e4m3 kernels: fp32 factors that turn the stored elements back into the values they stand
+    // for, one per (batch, kv head) at [b * batch_stride + h * head_stride] (strides 0: one value
+    // broadcast; flash-attn's q_descale, k_descale, v_descale); null: 1. Scores are q_descale *
+    // k_descale * (Q K^T of the stored elements), O is v_descale * (P V). Other kernels ignore them.
+    const float* q_descale;
+    const float* k_descale;
+    const float* v_descale;
+    long long q_descale_batch_stride, q_descale_head_stride;
+    long long k_descale_batch_stride, k_descale_head_stride;
+    long long v_descale_batch_stride, v_descale_head_stride;
 } FagenFwdParams;
 
 // The parameter of every backward kernel (preprocess, main, dQ conversion), by value like

@@ -1,5 +1,6 @@
-// Where one batch row's tokens are in the dense or the varlen layout (fagen/contract.py:
-// LAYOUTS), for the forward and backward kernels that take both (Config::kVarlen).
+// Where one batch row's tokens are in the dense, the varlen or the paged layout (fagen/contract.py:
+// LAYOUTS), for the forward and backward kernels that take them (RowLayout; Config::kVarlen is
+// the varlen one's, FA3's Config::kPaged the paged one's).
 //
 // Dense: every batch row has seqlen_q queries and seqlen_k keys, a block of its own that the
 // batch strides select; the row arrays (the LSE, the backward's workspace) are (batch, heads,
@@ -11,12 +12,20 @@
 // (the next row's tokens): the masks hide the keys past seqlen_k, the backward's LSE of +inf the
 // queries past seqlen_q, and no store writes past them.
 //
+// Paged (the FA3 forward's; FagenFwdParams' serving fields): q dense or packed by cu_seqlens_q,
+// each row's keys from seqused_k (+ seqlen_new) in a cache of its own, contiguous or in pages,
+// that the kernel reads through algo/kv_cache.cuh's block table from key 0.
+//
 // A dense BatchRow holds nothing (its lengths are the launch's, its rows start at 0), so that a
 // kernel that carries one from tile to tile keeps the registers it had without the layout.
 #pragma once
+#include "fagen/algo/kv_cache.cuh"
 #include "fagen/params.h"
 
 namespace fagen::algo {
+
+// The layouts a BatchRow describes (a kernel's bool kVarlen converts to the first two).
+enum RowLayout : int { kDenseRows = 0, kVarlenRows = 1, kPagedRows = 2 };
 
 // Keys of batch row `batch` that a call uses: seqused_k caps them in a forward.
 __device__ __forceinline__ int used_keys(const FagenFwdParams& p, int batch, int keys) {
@@ -24,7 +33,7 @@ __device__ __forceinline__ int used_keys(const FagenFwdParams& p, int batch, int
 }
 __device__ __forceinline__ int used_keys(const FagenBwdParams&, int, int keys) { return keys; }
 
-template <bool kVarlen, int kAccumRowAlign = 16>
+template <int kLayout, int kAccumRowAlign = 16>
 struct BatchRow {
     template <class Params>
     static __device__ __forceinline__ BatchRow of(const Params&, int) { return {}; }
@@ -59,7 +68,7 @@ struct BatchRow {
 };
 
 template <int kAccumRowAlign>
-struct BatchRow<true, kAccumRowAlign> {
+struct BatchRow<kVarlenRows, kAccumRowAlign> {
     int queries, keys, first_query, first_key;
 
     template <class Params>
@@ -92,6 +101,23 @@ struct BatchRow<true, kAccumRowAlign> {
     __device__ __forceinline__ int accum_begin(int batch) const {
         return (first_query + kAccumRowAlign * batch) / kAccumRowAlign * kAccumRowAlign;
     }
+};
+
+template <int kAccumRowAlign>
+struct BatchRow<kPagedRows, kAccumRowAlign> {
+    int queries, keys, first_query, q_map_batch;
+
+    static __device__ __forceinline__ BatchRow of(const FagenFwdParams& p, int batch) {
+        const Sequence s = Sequence::of(p, batch);
+        return {s.seqlen_q, s.seqlen_k, s.q_begin, p.cu_seqlens_q != nullptr ? 0 : batch};
+    }
+
+    __device__ __forceinline__ int seqlen_q(const FagenFwdParams&) const { return queries; }
+    __device__ __forceinline__ int seqlen_k(const FagenFwdParams&) const { return keys; }
+    __device__ __forceinline__ int q_begin() const { return first_query; }
+    __device__ __forceinline__ int k_begin() const { return 0; }  // keys are addressed per page
+    // The batch coordinate of a TMA load of its queries: a packed q's map spans the packed rows.
+    __device__ __forceinline__ int tma_batch(int) const { return q_map_batch; }
 };
 
 }  // namespace fagen::algo

@@ -1,10 +1,12 @@
 // Per-element-type operations every kernel shares (the element axis of the kernel model): packing
-// two floats into the 32-bit operand register, rounding to the element type, the matching
-// mma.sync, and the A-operand fragment of P. fp16 and bf16 today; FP8 takes its slot here.
+// floats into the 32-bit operand register, rounding to the element type, the matching mma.sync,
+// and the A-operand fragment of P. fp16 and bf16 (2 bytes, pairs per register), and e4m3 (1 byte,
+// quadruples per register; the FA3 forward's FP8 path, whose output is bf16).
 #pragma once
 #include "fagen/types.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "fagen/ptx/mma_sync.cuh"
 
@@ -15,6 +17,7 @@ struct ElementOps;
 
 template <>
 struct ElementOps<__nv_bfloat16> {
+    static constexpr float kProbabilityLog2Offset = 0.f;  // algo/online_softmax.cuh
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
@@ -32,6 +35,7 @@ struct ElementOps<__nv_bfloat16> {
 
 template <>
 struct ElementOps<__half> {
+    static constexpr float kProbabilityLog2Offset = 0.f;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
@@ -46,17 +50,51 @@ struct ElementOps<__half> {
     }
 };
 
-// The k16 A operand fragment of mma.sync m16n8k16 (and of wgmma with A from registers) for
-// columns 16*kk .. 16*kk+15 of an fp32 accumulator in the row-pair layout of
-// algo/fragment.cuh: P for P V, converted straight from the S accumulator.
+// e4m3 (OCP FP8, max 448): values past 448 saturate to it instead of becoming NaN.
+template <>
+struct ElementOps<__nv_fp8_e4m3> {
+    // P is taken up to 2^8 = 256, e4m3's largest power of two below 448, so that the rounding
+    // keeps 3 mantissa bits further down (algo/online_softmax.cuh).
+    static constexpr float kProbabilityLog2Offset = 8.f;
+    static __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+        return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+    }
+    // Four floats as one operand register, the first in the lowest byte.
+    static __device__ __forceinline__ uint32_t pack(float x0, float x1, float x2, float x3) {
+        return pack_pair(x0, x1) | (pack_pair(x2, x3) << 16);
+    }
+    static __device__ __forceinline__ float round(float x) {
+        const __nv_fp8_storage_t bits = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+        return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
+    }
+};
+
+// Keys of P V per k-step (and per A fragment of 4 registers): 16 of 2-byte elements, 32 of e4m3.
+template <class Element>
+inline constexpr int kPvStepKeys = 32 / static_cast<int>(sizeof(Element));
+
+// The A operand fragment of P V's k-step kk (mma.sync m16n8k16 and wgmma with A from registers,
+// ptx/wgmma.cuh) from an fp32 accumulator in the row-pair layout of algo/fragment.cuh: P,
+// converted straight from the S accumulator. 2-byte elements: columns 16*kk .. 16*kk+15 in
+// order. e4m3: the 32 columns from 32*kk on, each register packing a row's columns of two
+// neighbouring n8 tiles as the thread holds them (2q, 2q+1 of each): the key order V^T must
+// follow (algo/v_transpose.cuh).
 template <class Element, int kN>
 __device__ __forceinline__ void pack_a_fragment(uint32_t (&a)[4], const float (&acc)[kN][4],
                                                 int kk) {
     using Ops = ElementOps<Element>;
-    a[0] = Ops::pack(acc[2 * kk][0], acc[2 * kk][1]);
-    a[1] = Ops::pack(acc[2 * kk][2], acc[2 * kk][3]);
-    a[2] = Ops::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-    a[3] = Ops::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    if constexpr (sizeof(Element) == 1) {
+        const int n = 4 * kk;
+        a[0] = Ops::pack(acc[n][0], acc[n][1], acc[n + 1][0], acc[n + 1][1]);
+        a[1] = Ops::pack(acc[n][2], acc[n][3], acc[n + 1][2], acc[n + 1][3]);
+        a[2] = Ops::pack(acc[n + 2][0], acc[n + 2][1], acc[n + 3][0], acc[n + 3][1]);
+        a[3] = Ops::pack(acc[n + 2][2], acc[n + 2][3], acc[n + 3][2], acc[n + 3][3]);
+    } else {
+        a[0] = Ops::pack(acc[2 * kk][0], acc[2 * kk][1]);
+        a[1] = Ops::pack(acc[2 * kk][2], acc[2 * kk][3]);
+        a[2] = Ops::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        a[3] = Ops::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
 }
 
 }  // namespace fagen::algo

@@ -18,6 +18,12 @@
 // the hd64 forward 3-5 %, 2026-12-01). With conditional rescaling the reference may lag the
 // maximum, so there each block's largest probability is corrected as it goes (row_rounding).
 //
+// Ops::kProbabilityLog2Offset (e4m3's P): the exponents are taken against m2 - offset, so that a
+// row's probabilities reach 2^offset instead of 1 and P rounded to e4m3 keeps its 3 mantissa bits
+// down to probabilities of 2^(offset - 6) of the maximum instead of 2^-6 (e4m3's smallest normal);
+// l carries the same factor, so O / l is unchanged and the LSE subtracts the offset again
+// (FlashAttention-3 offsets its FP8 softmax the same way).
+//
 // Fully masked rows keep m = -inf. Using 0 as the subtrahend then keeps every exponent -inf
 // (probability 0) instead of NaN from (-inf) - (-inf).
 //
@@ -119,6 +125,12 @@ struct OnlineSoftmax {
     // with l; the same on the row's four threads.
     float row_rounding[kM][2];
 
+    // What the exponents of scores against `reference` subtract (algo/lse.cuh's m2, less the
+    // probability offset).
+    static __device__ __forceinline__ float subtrahend(float reference, float scale_log2) {
+        return reference_scaled(reference, scale_log2) - Ops::kProbabilityLog2Offset;
+    }
+
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
@@ -153,7 +165,7 @@ struct OnlineSoftmax {
                     row_max[m][h], fmaxf(row_max[m][h], own_max), scale_log2, Options::kRescaleThreshold);
                 rescale[m][h] = next.rescale;
                 row_max[m][h] = next.value;
-                const float max_scaled = reference_scaled(next.value, scale_log2);
+                const float max_scaled = subtrahend(next.value, scale_log2);
                 float sum = 0.f;
 #pragma unroll
                 for (int n = 0; n < kNS; ++n) {
@@ -209,9 +221,11 @@ struct OnlineSoftmax {
     // Rows that saw no key get 0 output and LSE = -inf (with a sink: the sink's logit).
     // kSink: the head's attention sink, a logit of `sink_log2` (base 2, scaled units) that joins
     // every row's denominator and adds nothing to O (gpt-oss's sinks; sink_term).
+    // `output_scale` multiplies O besides (e4m3's v_descale).
     template <bool kSink = false, int kNO>
     __device__ __forceinline__ void finalize(float (&out)[kM][kNO][4], float (&lse)[kM][2],
-                                             float scale_log2, float sink_log2 = 0.f) {
+                                             float scale_log2, float sink_log2 = 0.f,
+                                             float output_scale = 1.f) {
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -223,17 +237,18 @@ struct OnlineSoftmax {
                     divisor += row_rounding[m][h];
                 } else if constexpr (!kSumInOutput) {
                     divisor += operand_rounding<Ops>(row_max[m][h], scale_log2,
-                                                     reference_scaled(row_max[m][h], scale_log2));
+                                                     subtrahend(row_max[m][h], scale_log2));
                 }
                 float inv;
                 if constexpr (kSink) {
-                    const SinkTerm t = sink_term(sum, reference_scaled(row_max[m][h], scale_log2), sink_log2);
+                    const SinkTerm t = sink_term(sum, subtrahend(row_max[m][h], scale_log2), sink_log2);
                     inv = t.keys / fmaf(divisor, t.keys, t.sink);
                     lse[m][h] = natural_lse(t.top, fmaf(sum, t.keys, t.sink));
                 } else {
                     inv = inverse_row_sum(divisor);
-                    lse[m][h] = row_lse(row_max[m][h], sum, scale_log2);
+                    lse[m][h] = natural_lse(subtrahend(row_max[m][h], scale_log2), sum);
                 }
+                inv *= output_scale;
 #pragma unroll
                 for (int n = 0; n < kNO; ++n) {
                     out[m][n][2 * h] *= inv;

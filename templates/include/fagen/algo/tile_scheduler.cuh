@@ -97,23 +97,23 @@ struct TileScheduler {
 // The batch row is a base, not a member: the dense layout's empty one then takes no space (as a
 // member it made the Work 28 bytes instead of 24, and a persistent kernel that carries the Work
 // from tile to tile spilled).
-template <bool kVarlen = false>
-struct TileWork : BatchRow<kVarlen> {
+template <int kLayout = kDenseRows>
+struct TileWork : BatchRow<kLayout> {
     int head, batch, kv_head, row_begin, n_end, n_blocks;
 
-    __device__ __forceinline__ BatchRow<kVarlen> seq() const { return *this; }
+    __device__ __forceinline__ BatchRow<kLayout> seq() const { return *this; }
     __device__ __forceinline__ int n_block(int j) const { return n_end - 1 - j; }
     __device__ __forceinline__ KeyBlocks key_blocks() const { return {n_end - n_blocks, n_end}; }
 };
 
 // The work of tile `t` under the mask type `Mask` (AttentionMask<kind> or CustomMask<User>).
-template <class Mask, bool kVarlen = false>
-__device__ __forceinline__ TileWork<kVarlen> tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
+template <class Mask, int kLayout = kDenseRows>
+__device__ __forceinline__ TileWork<kLayout> tile_work(const FagenFwdParams& p, const Tile& t, int block_m,
                                                        int block_n) {
     const int row_begin = t.m_block * block_m;
-    const auto seq = BatchRow<kVarlen>::of(p, t.batch);
+    const auto seq = BatchRow<kLayout>::of(p, t.batch);
     KeyBlocks blocks = Mask::of(p, t.batch, seq.seqlen_q(p), seq.seqlen_k(p)).key_blocks(row_begin, block_m, block_n);
-    if (kVarlen && row_begin >= seq.seqlen_q(p)) blocks = {0, 0};
+    if (kLayout != kDenseRows && row_begin >= seq.seqlen_q(p)) blocks = {0, 0};
     return {seq, t.head, t.batch, t.head / (p.heads_q / p.heads_kv), row_begin, blocks.end, blocks.count()};
 }
 

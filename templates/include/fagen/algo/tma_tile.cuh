@@ -33,26 +33,75 @@ __device__ __forceinline__ void prefetch_tma_maps(const FagenTmaMaps& maps) {
     ptx::prefetch_tensormap(&maps.v);
 }
 
-// The tile is kChunks column chunks of 64 elements (one 128-byte swizzle atom wide), each
-// `rows` rows of 128 bytes, stored one after the other at `dst`, landing on mbarrier `full`; the
-// caller announced the bytes on `full` (several tiles may land on one barrier) and made sure the
-// slot is free.
-template <int kChunks>
+// The tile is kChunks column chunks of kChunkColumns elements (one 128-byte swizzle atom wide:
+// 64 of fp16/bf16, 128 of e4m3), each `rows` rows of 128 bytes, stored one after the other at
+// `dst`, landing on mbarrier `full`; the caller announced the bytes on `full` (several tiles may
+// land on one barrier) and made sure the slot is free.
+template <int kChunks, int kChunkColumns = 64>
 __device__ __forceinline__ void tma_copy_tile(const FagenTensorMap& map, uint32_t dst, int rows,
                                               uint32_t full, int row_begin, int head, int batch) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-        ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * rows * 128, &map, full, c * 64,
+        ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * rows * 128, &map, full, c * kChunkColumns,
                                                       row_begin, head, batch);
     }
 }
 
 // tma_copy_tile of one tile that `full` is told the byte count of first.
-template <int kChunks>
+template <int kChunks, int kChunkColumns = 64>
 __device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_t dst, int rows,
                                               uint32_t full, int row_begin, int head, int batch) {
     ptx::mbarrier_arrive_expect_tx(full, kChunks * rows * 128);
-    tma_copy_tile<kChunks>(map, dst, rows, full, row_begin, head, batch);
+    tma_copy_tile<kChunks, kChunkColumns>(map, dst, rows, full, row_begin, head, batch);
+}
+
+// Where the runs of a K or V tile of kRows keys of a paged-layout batch row (algo/batch_row.cuh:
+// kPagedRows) come from, from key `key_begin` on, `keys` being the row's: runs of kBoxRows keys
+// (fagen/contract.py: CACHE_TMA_BOX_ROWS; a page holds whole runs), each from its page of the
+// block table, or from the row's block of a contiguous cache (no block table: the map's batch is
+// the batch row). A run past the row's keys, or through a table entry outside [0, pages), reads
+// coordinates outside the map: zeros, never another row's page. Every lookup is issued before
+// any is used, and K and V share them: one memory latency per key block. Looked up run by run
+// between the copies, the producer waited one latency per run, and a prefill over 16-key pages
+// ran at 0.25-0.29x the varlen call's speed on the same keys (2026-12-04).
+template <int kRuns>
+struct CacheRuns {
+    int page[kRuns];
+    int row[kRuns];
+};
+
+template <int kRows, int kBoxRows>
+__device__ __forceinline__ CacheRuns<kRows / kBoxRows> cache_runs(const FagenFwdParams& p, int batch,
+                                                                  int key_begin, int keys) {
+    static_assert(kRows % kBoxRows == 0 && kBoxRows * 128 % kSwizzleAtomBytes == 0);
+    CacheRuns<kRows / kBoxRows> runs;
+#pragma unroll
+    for (int r = 0; r < kRows / kBoxRows; ++r) {
+        const int key = key_begin + r * kBoxRows;
+        runs.page[r] = batch;
+        runs.row[r] = key;
+        if (p.block_table != nullptr) {
+            runs.page[r] = key < keys ? p.block_table[batch * p.block_table_batch_stride + key / p.page_size] : p.pages;
+            runs.row[r] = key % p.page_size;
+        }
+    }
+    return runs;
+}
+
+// The tile of `runs` into `dst`, each run in the place one box of kRows rows would put it (a run
+// is whole swizzle atoms); `full` is told the tile's bytes first.
+template <int kChunks, int kRows, int kBoxRows>
+__device__ __forceinline__ void tma_load_cache_tile(const FagenTensorMap& map, uint32_t dst, uint32_t full,
+                                                    const CacheRuns<kRows / kBoxRows>& runs, int head) {
+    ptx::mbarrier_arrive_expect_tx(full, kChunks * kRows * 128);
+#pragma unroll
+    for (int r = 0; r < kRows / kBoxRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * kRows * 128 + r * kBoxRows * 128, &map, full,
+                                                          c * 64, runs.row[r], head, runs.page[r]);
+        }
+    }
 }
 
 }  // namespace fagen::algo

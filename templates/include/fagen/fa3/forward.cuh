@@ -2,11 +2,21 @@
 // ring, wgmma with fp32 accumulators in registers, warp specialization with register
 // reallocation, the softmax of block j overlapped with P_{j-1} V_{j-1} inside each warpgroup,
 // optional ping-pong scheduling between the two consumer warpgroups (FlashAttention-3 paper,
-// sections 3.1 and 3.2), and a persistent grid. Dense or varlen (Config::kVarlen:
-// algo/batch_row.cuh; a varlen map spans the packed rows, batch 1).
+// sections 3.1 and 3.2), and a persistent grid. Dense, varlen (Config::kVarlen:
+// algo/batch_row.cuh; a varlen map spans the packed rows, batch 1) or paged (Config::kPaged: a
+// KV-cache call's prefill, its K/V tiles loaded in runs of kCacheBoxRows keys through the block
+// table, algo/tma_tile.cuh).
+//
+// The element is fp16, bf16 or e4m3 (FP8, FlashAttention-3 paper section 3.3): with e4m3 both
+// products run on the 8-bit wgmma (k32), the scores and O are scaled by the call's descales
+// (FagenFwdParams.q_descale ...), P is rounded to e4m3 with the softmax's probability offset
+// (algo/online_softmax.cuh), the output is bf16 (Config::Output), and since 8-bit wgmma takes
+// its B operand K-major only, three producer warps transpose each V tile into a V^T tile that
+// P V reads (algo/v_transpose.cuh).
 //
 // Roles (warpgroup = 128 threads):
-//   producer  (warpgroup 0): one thread issues every TMA load.
+//   producer  (warpgroup 0): one thread issues every TMA load; with e4m3 its warps 1-3
+//             transpose V.
 //   consumers (the others: 2 or 3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
 //             operands in shared memory), online softmax, O += P V (wgmma, P from registers),
 //             epilogue.
@@ -24,8 +34,9 @@
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): kQStages Q tiles (two
 // with kEarlyFirstQk, so that the next tile's Q is loaded a tile ahead), then kStages K tiles,
-// then kStages V tiles, then the mbarriers. A tile of R rows x D columns (Q and K: head_dim; V:
-// head_dim_v) is D/64 column chunks, each R rows of 128 bytes, as TMA writes them.
+// then kStages V stages (a V tile, with e4m3 followed by its V^T tile), then the mbarriers. A
+// tile of R rows x D columns (Q and K: head_dim; V: head_dim_v) is D/kChunkColumns column chunks,
+// each R rows of 128 bytes, as TMA writes them.
 #pragma once
 
 #include "fagen/algo/mask.cuh"
@@ -35,6 +46,7 @@
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
 #include "fagen/algo/element.cuh"
+#include "fagen/algo/v_transpose.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
 #include "fagen/ptx/cp_async_bulk_tensor.cuh"
@@ -51,13 +63,19 @@ namespace fagen::fa3 {
 // Named barrier ids; 0 is __syncthreads.
 enum NamedBarrier : int {
     kSchedulerBarrierBase = 1,  // + consumer index: "your turn to issue MMAs" (ping-pong)
+    kConsumerBarrierBase = 3,   // + consumer index: the consumer warpgroup's own 128 threads
 };
 
 template <class Config>
 struct Forward {
-    using Element = typename Config::Element;
+    using Element = typename Config::Element;  // q, k, v
+    using Output = typename Config::Output;    // o: Element, or bf16 for e4m3
     using Ops = algo::ElementOps<Element>;
+    using OutOps = algo::ElementOps<Output>;
 
+    static constexpr int kElementBytes = sizeof(Element);
+    static constexpr bool kTransposeV = kElementBytes == 1;  // e4m3: see the top of this file
+    static constexpr int kTransposeWarps = 3;  // the producer warpgroup's warps but the TMA one
     static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
     static constexpr int kHeadDimV = Config::kHeadDimV;  // V and O columns
     static constexpr int kBlockM = Config::kBlockM;
@@ -66,21 +84,27 @@ struct Forward {
     static constexpr int kQStages = Config::kQStages;
     static constexpr int kConsumers = kBlockM / 64;
     static constexpr int kConsumerThreads = kConsumers * 128;
-    static constexpr int kChunks = kHeadDim / 64;        // 128-byte column chunks of Q, K
-    static constexpr int kVChunks = kHeadDimV / 64;      // and of V
+    static constexpr int kChunkColumns = 128 / kElementBytes;    // columns of a 128-byte chunk
+    static constexpr int kChunks = kHeadDim / kChunkColumns;     // 128-byte column chunks of Q, K
+    static constexpr int kVChunks = kHeadDimV / kChunkColumns;   // and of V
     static constexpr int kSTiles = kBlockN / 8;          // n8 tiles of S per warp
     static constexpr int kOTiles = kHeadDimV / 8;        // n8 tiles of O per warp
     // n8 tiles of the O accumulator: O, and with kMmaRowSum the row sums of P after it.
     static constexpr int kOAccTiles = Config::kPVColumns / 8;
-    static constexpr int kPSteps = kBlockN / 16;         // k16 steps of P V
-    static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
-    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;   // a K tile
-    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * 2;   // a V tile
+    static constexpr int kPSteps = kBlockN / algo::kPvStepKeys<Element>;  // k-steps of P V
+    static constexpr int kQKSteps = kHeadDim * kElementBytes / 32;         // 32-byte k-steps of Q K^T
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * kElementBytes;
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElementBytes;   // a K tile
+    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * kElementBytes;   // a V tile
+    static constexpr uint32_t kVtBytes = kTransposeV ? kVBytes : 0;          // its V^T tile
+    static constexpr int kBarriersPerStage = kTransposeV ? 6 : 4;
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
+    static constexpr int kRowLayout = Config::kPaged ? algo::kPagedRows : Config::kVarlen ? algo::kVarlenRows
+                                                                                           : algo::kDenseRows;
 
     static_assert(kBlockM % 64 == 0 && kConsumers >= 2 && kConsumers <= 3);
-    static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "TMA boxes and swizzle atoms are 64 columns wide");
+    static_assert(kHeadDim % kChunkColumns == 0 && kHeadDimV % kChunkColumns == 0,
+                  "TMA boxes and swizzle atoms are 128 bytes wide");
     static_assert(kBlockN % 16 == 0);
     static_assert(Config::kThreads == (kConsumers + 1) * 128, "a producer warpgroup + the consumers");
     static_assert(!Config::kPingpong || kConsumers == 2, "ping-pong alternates two consumers");
@@ -89,27 +113,43 @@ struct Forward {
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQStages * kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
-    static_assert(Config::kSmemVStageBytes == kVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
+    static_assert(Config::kSmemVStageBytes == kVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0) + kVtBytes);
     static_assert(Config::kSmemBarrierOffset ==
                   Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
     static_assert(!Config::kEarlyFirstQk || !Config::kPingpong,
                   "the next tile's first Q K^T goes out outside the ping-pong turns");
+    static_assert(!Config::kPaged || (!Config::kVarlen && kBlockN % Config::kCacheBoxRows == 0),
+                  "a paged K/V tile is whole runs of cache rows");
+    static_assert(!kTransposeV || (kBlockN == 128 && !Config::kMmaRowSum && !Config::kPaged),
+                  "e4m3: V^T rows are one 128-byte swizzle row of keys; the softmax sums P in fp32");
 
     struct Smem {
         uint32_t q, k, v;  // shared addresses of the tiles
         uint32_t bar;      // first mbarrier
 
         // mbarriers, 8 bytes each: per Q stage q_full, q_empty, then per K/V stage k_full,
-        // k_empty, v_full, v_empty.
+        // k_empty, v_full, v_empty (and with e4m3 vt_full, vt_empty).
         __device__ uint32_t q_full(int q) const { return bar + 8 * (2 * q); }
         __device__ uint32_t q_empty(int q) const { return bar + 8 * (2 * q + 1); }
-        __device__ uint32_t k_full(int s) const { return bar + 8 * (2 * kQStages + 4 * s); }
-        __device__ uint32_t k_empty(int s) const { return bar + 8 * (2 * kQStages + 1 + 4 * s); }
-        __device__ uint32_t v_full(int s) const { return bar + 8 * (2 * kQStages + 2 + 4 * s); }
-        __device__ uint32_t v_empty(int s) const { return bar + 8 * (2 * kQStages + 3 + 4 * s); }
+        __device__ uint32_t stage_barrier(int s, int i) const {
+            return bar + 8 * (2 * kQStages + kBarriersPerStage * s + i);
+        }
+        __device__ uint32_t k_full(int s) const { return stage_barrier(s, 0); }
+        __device__ uint32_t k_empty(int s) const { return stage_barrier(s, 1); }
+        __device__ uint32_t v_full(int s) const { return stage_barrier(s, 2); }
+        __device__ uint32_t v_empty(int s) const { return stage_barrier(s, 3); }
+        __device__ uint32_t vt_full(int s) const { return stage_barrier(s, 4); }
+        __device__ uint32_t vt_empty(int s) const { return stage_barrier(s, 5); }
+        // The tile P V reads from stage s, and its barriers: V, or with e4m3 V^T.
+        __device__ uint32_t pv_full(int s) const { return kTransposeV ? vt_full(s) : v_full(s); }
+        __device__ uint32_t pv_empty(int s) const { return kTransposeV ? vt_empty(s) : v_empty(s); }
+        // e4m3: a word after the barriers: -1, then the ring position past the producer's last
+        // V tile once it knows it (transpose_tiles).
+        __device__ uint32_t loads_end() const { return stage_barrier(kStages, 0); }
         __device__ uint32_t q_tile(int q) const { return this->q + q * kQBytes; }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
         __device__ uint32_t v_tile(int s) const { return v + s * Config::kSmemVStageBytes; }
+        __device__ uint32_t vt_tile(int s) const { return v_tile(s) + kVBytes; }
         // kMmaRowSum: the chunk of ones after V tile s, at V's chunk stride (block_n rows of
         // 128 bytes), so that one descriptor reads V and then the ones as the next 64 columns.
         __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kVBytes; }
@@ -118,11 +158,11 @@ struct Forward {
     using Scheduler = algo::TileScheduler<Config::kMask, true>;
     using Softmax = algo::OnlineSoftmax<1, Ops, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
 
-    using Work = algo::TileWork<Config::kVarlen>;
+    using Work = algo::TileWork<kRowLayout>;
 
     static __device__ __forceinline__ Work work_for(const FagenFwdParams& prm, const Scheduler& sched,
                                                      int index) {
-        return algo::tile_work<typename Config::Mask, Config::kVarlen>(prm, sched.tile(index), kBlockM, kBlockN);
+        return algo::tile_work<typename Config::Mask, kRowLayout>(prm, sched.tile(index), kBlockM, kBlockN);
     }
 
     // ---------------------------------------------------------------- producer
@@ -132,24 +172,36 @@ struct Forward {
                                                   const Work& w, int tile_count) {
         const int q = algo::ring_slot<kQStages>(tile_count);
         ptx::mbarrier_wait_parity(s.q_empty(q), algo::ring_parity<kQStages>(tile_count) ^ 1);
-        algo::tma_load_tile<kChunks>(maps.q, s.q_tile(q), kBlockM, s.q_full(q), w.seq().q_begin() + w.row_begin,
-                                     w.head, w.seq().tma_batch(w.batch));
+        algo::tma_load_tile<kChunks, kChunkColumns>(maps.q, s.q_tile(q), kBlockM, s.q_full(q),
+                                                    w.seq().q_begin() + w.row_begin, w.head,
+                                                    w.seq().tma_batch(w.batch));
     }
 
     // K and V of the j-th visited key block of a tile into ring position `ring` (slot
     // ring % kStages), once consumers have released the slot's previous contents.
-    static __device__ __forceinline__ void load_kv(const FagenTmaMaps& maps, const Smem& s,
-                                                   const Work& w, int j, int ring) {
+    static __device__ __forceinline__ void load_kv(const FagenFwdParams& prm, const FagenTmaMaps& maps,
+                                                   const Smem& s, const Work& w, int j, int ring) {
         const int slot = algo::ring_slot<kStages>(ring);
         const uint32_t empty_parity = algo::ring_parity<kStages>(ring) ^ 1;  // a fresh barrier passes parity 1
         const int key_begin = w.seq().k_begin() + w.n_block(j) * kBlockN;
+        if constexpr (Config::kPaged) {
+            const auto runs = algo::cache_runs<kBlockN, Config::kCacheBoxRows>(prm, w.batch, key_begin,
+                                                                             w.seq().seqlen_k(prm));
+            ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
+            algo::tma_load_cache_tile<kChunks, kBlockN, Config::kCacheBoxRows>(maps.k, s.k_tile(slot), s.k_full(slot),
+                                                                              runs, w.kv_head);
+            ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
+            algo::tma_load_cache_tile<kVChunks, kBlockN, Config::kCacheBoxRows>(maps.v, s.v_tile(slot), s.v_full(slot),
+                                                                               runs, w.kv_head);
+            return;
+        }
         const int batch = w.seq().tma_batch(w.batch);
         ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
-        algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
-                                     w.kv_head, batch);
+        algo::tma_load_tile<kChunks, kChunkColumns>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
+                                                    w.kv_head, batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-        algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
-                                     w.kv_head, batch);
+        algo::tma_load_tile<kVChunks, kChunkColumns>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
+                                                     w.kv_head, batch);
     }
 
     // ---------------------------------------------------------------- consumer MMAs
@@ -159,13 +211,16 @@ struct Forward {
     struct Descriptors {
         unsigned long long q;  // A of Q K^T: the consumer's 64 rows of Q (K-major)
         unsigned long long k;  // B of Q K^T: K tile (K-major, N = keys)
-        unsigned long long v;  // B of P V: V tile read MN-major (N = head_dim_v contiguous)
+        // B of P V: the V tile read MN-major (N = head_dim_v contiguous), or with e4m3 the V^T
+        // tile read K-major (head_dim_v rows of block_n keys)
+        unsigned long long v;
     };
 
     static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer, int q) {
         return {ptx::wgmma_desc_swizzle128(s.q_tile(q) + consumer * 64 * 128, 16, kSwizzleAtomBytes),
                 ptx::wgmma_desc_swizzle128(s.k, 16, kSwizzleAtomBytes),
-                ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
+                kTransposeV ? ptx::wgmma_desc_swizzle128(s.vt_tile(0), 16, kSwizzleAtomBytes)
+                            : ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
     }
 
     // Q K^T for one consumer from ring slot `slot`.
@@ -174,25 +229,33 @@ struct Forward {
 #pragma unroll
         for (int kk = 0; kk < kQKSteps; ++kk) {
             const int chunk = kk / 4;
-            const uint32_t k_offset = (kk % 4) * 32;  // 16 columns = 32 bytes into the row
-            ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(
-                acc_s, ptx::wgmma_desc_advance(d.q, chunk * kBlockM * 128 + k_offset),
-                ptx::wgmma_desc_advance(d.k, slot * kKVBytes + chunk * kBlockN * 128 + k_offset),
-                kk > 0);
+            const uint32_t k_offset = (kk % 4) * 32;  // a k-step is 32 bytes into the row
+            const unsigned long long q = ptx::wgmma_desc_advance(d.q, chunk * kBlockM * 128 + k_offset);
+            const unsigned long long k = ptx::wgmma_desc_advance(d.k, slot * kKVBytes + chunk * kBlockN * 128 + k_offset);
+            if constexpr (kTransposeV) {
+                ptx::wgmma_ss_e4m3<kBlockN>(acc_s, q, k, kk > 0);
+            } else {
+                ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(acc_s, q, k, kk > 0);
+            }
         }
         ptx::wgmma_commit_group();
     }
 
     // O += P V: A = P from registers, B = V of ring slot `slot` (and with kMmaRowSum the ones
-    // after it: N = kPVColumns).
+    // after it: N = kPVColumns), with e4m3 its V^T (a k-step is 32 keys = 32 bytes into its rows).
     static __device__ __forceinline__ void issue_pv(float (&acc_o)[kOAccTiles][4],
                                                     const uint32_t (&p)[kPSteps][4],
                                                     const Descriptors& d, int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            ptx::wgmma_rs<Config::kPVColumns, Config::kIsBf16, 1>(
-                acc_o, p[kk],
-                ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 16 * 128), 1);
+            if constexpr (kTransposeV) {
+                ptx::wgmma_rs_e4m3<Config::kPVColumns>(
+                    acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 32), 1);
+            } else {
+                ptx::wgmma_rs<Config::kPVColumns, Config::kIsBf16, 1>(
+                    acc_o, p[kk],
+                    ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 16 * 128), 1);
+            }
         }
         ptx::wgmma_commit_group();
     }
@@ -209,7 +272,7 @@ struct Forward {
         ptx::wgmma_fence();
     }
 
-    // P (probabilities in the S accumulator layout) as k16 A fragments of P V.
+    // P (probabilities in the S accumulator layout) as the A fragments of P V's k-steps.
     static __device__ __forceinline__ void convert_p(const float (&acc_s)[kSTiles][4],
                                                      uint32_t (&p)[kPSteps][4]) {
 #pragma unroll
@@ -246,6 +309,7 @@ struct Forward {
                                                                                  w.seq().seqlen_k(prm));
         const int q = algo::ring_slot<kQStages>(tile_count);
         const Descriptors desc = descriptors(s, consumer, q);
+        const TileScales scales = tile_scales(prm, w);
         auto slot_of = [&](int j) { return algo::ring_slot<kStages>(ring_base + j); };
         auto parity_of = [&](int j) { return algo::ring_parity<kStages>(ring_base + j); };
 
@@ -278,7 +342,7 @@ struct Forward {
                     mask.apply(acc_s, lane, w.row_begin + warp_row, n_block * kBlockN);
                 }
             }
-            softmax.update(acc_s, rescale, prm.scale_log2);
+            softmax.update(acc_s, rescale, scales.scale_log2);
         };
 
         // Q K_j^T has completed: K_j's slot is free, and after the tile's last block so is Q,
@@ -309,7 +373,8 @@ struct Forward {
         ptx::fence_accumulators(acc_s[0]);
         release_k(0);
         scores(0, BoolConstant<true>{});
-        ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
+        ptx::mbarrier_wait_parity(s.pv_full(slot_of(0)), parity_of(0));
+        if constexpr (Config::kPaged) clear_cache_rows_past_keys(prm, s, w, slot_of(0), consumer, thread);
         convert_p(acc_s[0], p);
         auto iteration = [&](int j, auto may_need_mask) {
             __syncwarp();  // see the one before the first Q K^T
@@ -324,10 +389,10 @@ struct Forward {
             ptx::fence_accumulators(acc_s[0]);
             release_k(j);
             scores(j, may_need_mask);
-            ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
+            ptx::mbarrier_wait_parity(s.pv_full(slot_of(j)), parity_of(j));
             ptx::wgmma_wait_group<0>();
             ptx::fence_accumulators(acc_o[0]);
-            ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
+            ptx::mbarrier_arrive(s.pv_empty(slot_of(j - 1)));
             convert_p(acc_s[0], p);
         };
         int j = 1;
@@ -360,12 +425,89 @@ struct Forward {
             ptx::wgmma_wait_group<0>();
         }
         ptx::fence_accumulators(acc_o[0]);
-        ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
+        ptx::mbarrier_arrive(s.pv_empty(slot_of(last)));
 
         float row_lse[1][2];
-        softmax.template finalize<Config::kSinks>(acc_o, row_lse, prm.scale_log2,
-                                                  Config::kSinks ? algo::head_sink_log2(prm, w.head) : 0.f);
+        softmax.template finalize<Config::kSinks>(acc_o, row_lse, scales.scale_log2,
+                                                  Config::kSinks ? algo::head_sink_log2(prm, w.head) : 0.f,
+                                                  scales.output);
         store_output(prm, w, acc_o[0], row_lse, warp_row, lane);
+    }
+
+    // Paged: a cache's rows past a batch row's keys hold whatever was written there before, not
+    // the zeros TMA gives past a dense tensor's end, and a masked P of 0 times a NaN there is NaN
+    // in O. Each consumer zeroes those rows of the V tile of the row's last key block (the first
+    // one visited; the others are whole) before its P V reads it; both write the same zeros.
+    static __device__ __forceinline__ void clear_cache_rows_past_keys(const FagenFwdParams& prm, const Smem& s,
+                                                                      const Work& w, int slot, int consumer,
+                                                                      int thread) {
+        const int valid = max(w.seq().seqlen_k(prm) - w.n_block(0) * kBlockN, 0);
+        if (valid >= kBlockN) return;
+        constexpr int kVectorsPerRow = 128 / 16;  // a chunk's row is 128 bytes
+        const int vectors_per_chunk = (kBlockN - valid) * kVectorsPerRow;
+        for (int i = thread; i < kVChunks * vectors_per_chunk; i += 128) {
+            const int chunk = i / vectors_per_chunk, within = i % vectors_per_chunk;
+            const uint32_t address = s.v_tile(slot) + chunk * kBlockN * 128 + valid * 128 + within * 16;
+            *static_cast<uint4*>(__cvta_shared_to_generic(address)) = make_uint4(0, 0, 0, 0);
+        }
+        ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores before wgmma's reads
+        ptx::bar_sync(kConsumerBarrierBase + consumer, 128);
+    }
+
+    // The softmax's scale (base 2) and what O is multiplied by, for a tile's (batch, head): the
+    // call's, and with e4m3 its descales folded in (FagenFwdParams.q_descale ...; null: 1).
+    struct TileScales {
+        float scale_log2;
+        float output;
+    };
+
+    static __device__ __forceinline__ float descale(const float* values, long long batch_stride,
+                                                    long long head_stride, const Work& w) {
+        return values == nullptr ? 1.f : values[w.batch * batch_stride + w.kv_head * head_stride];
+    }
+
+    static __device__ __forceinline__ TileScales tile_scales(const FagenFwdParams& prm, const Work& w) {
+        if constexpr (kTransposeV) {
+            const float qk = descale(prm.q_descale, prm.q_descale_batch_stride, prm.q_descale_head_stride, w) *
+                             descale(prm.k_descale, prm.k_descale_batch_stride, prm.k_descale_head_stride, w);
+            return {prm.scale_log2 * qk,
+                    descale(prm.v_descale, prm.v_descale_batch_stride, prm.v_descale_head_stride, w)};
+        } else {
+            return {prm.scale_log2, 1.f};
+        }
+    }
+
+    // ---------------------------------------------------------------- V^T (e4m3)
+    // The transposing warps take the V tiles in ring order: each, once TMA landed it and the
+    // consumers released its stage's previous V^T, into V^T; then the V slot goes back to the
+    // producer and the V^T to the consumers (the generic-proxy stores fenced for wgmma's reads).
+    // They do not walk the tiles themselves: the producer, past its last V, completes the next
+    // ring position's v_full with no data and loads_end set to that position
+    // (signal_transposers), which they may read while still on earlier positions. Walking the
+    // schedule too, their state spilled at the 24-40 registers the producer warpgroup can spare
+    // beside two consumers of head_dim 256 (2026-12-04).
+    static __device__ void transpose_tiles(char* smem, int warp, int lane) {
+        const Smem s = smem_layout(smem);
+        for (int ring = 0;; ++ring) {
+            const int slot = algo::ring_slot<kStages>(ring);
+            const uint32_t parity = algo::ring_parity<kStages>(ring);
+            ptx::mbarrier_wait_parity(s.v_full(slot), parity);
+            if (*static_cast<volatile int*>(__cvta_shared_to_generic(s.loads_end())) == ring) return;
+            ptx::mbarrier_wait_parity(s.vt_empty(slot), parity ^ 1);
+            algo::transpose_v_tile<kBlockN, kHeadDimV, kTransposeWarps>(s.v_tile(slot), s.vt_tile(slot), warp, lane);
+            ptx::fence_proxy_async_shared_cta();
+            ptx::mbarrier_arrive(s.v_empty(slot));
+            ptx::mbarrier_arrive(s.vt_full(slot));
+        }
+    }
+
+    // The producer's end of the walk for the transposing warps: ring position `ring` (one past
+    // the last V loaded), once its slot is free, completes with loads_end = ring.
+    static __device__ __forceinline__ void signal_transposers(const Smem& s, int ring) {
+        const int slot = algo::ring_slot<kStages>(ring);
+        ptx::mbarrier_wait_parity(s.v_empty(slot), algo::ring_parity<kStages>(ring) ^ 1);
+        *static_cast<volatile int*>(__cvta_shared_to_generic(s.loads_end())) = ring;
+        ptx::mbarrier_arrive(s.v_full(slot));
     }
 
     // ---------------------------------------------------------------- epilogue
@@ -382,7 +524,7 @@ struct Forward {
                                                         int lane) {
         static_assert(kOTiles % 2 == 0, "stores pair up n8 tiles");
         const int rows_valid = w.seq().seqlen_q(prm) - w.row_begin;
-        Element* o = algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
+        Output* o = algo::tile_output<Output>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         const bool odd = lane & 1;
         const int quad_lane = lane & 3;
         // Column within the 16 of a tile pair: lanes 0, 2 -> 0, 4; lanes 1, 3 -> 8, 12.
@@ -390,11 +532,11 @@ struct Forward {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = warp_row + lane / 4 + 8 * h;
-            Element* o_row = o + row * prm.o_row_stride;
+            Output* o_row = o + row * prm.o_row_stride;
 #pragma unroll
             for (int t = 0; t < kOTiles; t += 2) {
-                const uint32_t first = Ops::pack(acc_o[t][2 * h], acc_o[t][2 * h + 1]);
-                const uint32_t second = Ops::pack(acc_o[t + 1][2 * h], acc_o[t + 1][2 * h + 1]);
+                const uint32_t first = OutOps::pack(acc_o[t][2 * h], acc_o[t][2 * h + 1]);
+                const uint32_t second = OutOps::pack(acc_o[t + 1][2 * h], acc_o[t + 1][2 * h + 1]);
                 const uint32_t received = __shfl_xor_sync(0xffffffffu, odd ? first : second, 1);
                 const uint2 chunk = odd ? make_uint2(received, second) : make_uint2(first, received);
                 if (row < rows_valid) {
@@ -415,8 +557,8 @@ struct Forward {
     // Query rows that see no key at all (algo/mask.cuh): O = 0, LSE = -inf (with a sink: its logit).
     // Written by the kConsumerThreads consumer threads (`thread` in [0, kConsumerThreads)).
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w, int thread) {
-        algo::write_empty_rows<Element, kBlockM, kHeadDimV, kConsumerThreads>(
-            algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
+        algo::write_empty_rows<Output, kBlockM, kHeadDimV, kConsumerThreads>(
+            algo::tile_output<Output>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
             algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), w.seq().seqlen_q(prm) - w.row_begin,
             thread,
             Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
@@ -441,8 +583,9 @@ struct Forward {
             const Work w = work_for(prm, sched, index);
             if (w.n_blocks <= 0) continue;
             load_q(maps, s, w, tile_count++);
-            for (int j = 0; j < w.n_blocks; ++j) load_kv(maps, s, w, j, ring++);
+            for (int j = 0; j < w.n_blocks; ++j) load_kv(prm, maps, s, w, j, ring++);
         }
+        if constexpr (kTransposeV) signal_transposers(s, ring);
     }
 
     // `value` (the same in every lane) as a value ptxas knows to be warp-uniform: a broadcast
@@ -508,8 +651,8 @@ struct Forward {
             }
             ptx::wgmma_wait_group<0>();  // the Q K^T issued after the last tile
         }
-        // Varlen: a batch row without keys (cu_seqlens_k) has rows without keys under any mask.
-        if constexpr (Config::kMask != algo::MaskKind::kFull || Config::kVarlen) {
+        // Varlen, paged: a batch row without keys has rows without keys under any mask.
+        if constexpr (Config::kMask != algo::MaskKind::kFull || kRowLayout != algo::kDenseRows) {
             for (int i = sched.first(); i < sched.end(); i = sched.next(i)) {
                 const Work empty = work_for(prm, sched, i);
                 if (empty.n_blocks <= 0) write_empty_rows(prm, empty, consumer * 128 + thread);
@@ -575,8 +718,14 @@ struct Forward {
                 ptx::mbarrier_init(s.k_full(st), 1);
                 ptx::mbarrier_init(s.v_full(st), 1);
                 ptx::mbarrier_init(s.k_empty(st), kConsumerThreads);
-                ptx::mbarrier_init(s.v_empty(st), kConsumerThreads);
+                // e4m3: the transposing warps read V, the consumers V^T.
+                ptx::mbarrier_init(s.v_empty(st), kTransposeV ? kTransposeWarps * 32 : kConsumerThreads);
+                if constexpr (kTransposeV) {
+                    ptx::mbarrier_init(s.vt_full(st), kTransposeWarps * 32);
+                    ptx::mbarrier_init(s.vt_empty(st), kConsumerThreads);
+                }
             }
+            if constexpr (kTransposeV) *static_cast<int*>(__cvta_shared_to_generic(s.loads_end())) = -1;
             ptx::fence_mbarrier_init_release_cluster();
         }
         if constexpr (Config::kMmaRowSum) fill_ones_chunks(smem);
@@ -585,6 +734,9 @@ struct Forward {
         if (threadIdx.x < 128) {
             ptx::setmaxnreg_dec<Config::kProducerRegisters>();
             if (threadIdx.x == 0) produce(prm, maps, smem);
+            if constexpr (kTransposeV) {
+                if (threadIdx.x >= 32) transpose_tiles(smem, threadIdx.x / 32 - 1, threadIdx.x % 32);
+            }
         } else {
             ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
             consume_tiles(prm, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);

@@ -17,6 +17,8 @@ from fagen.model import fa3, fa3_bwd
 # The forward's (S = Q K^T: block_n, O += P V: head_dim) and the backward's N values.
 WGMMA_N = tuple(sorted(set(fa3.WGMMA_N) | set(fa3_bwd.WGMMA_N)))
 PTX_TYPES = {"bf16": "bf16", "f16": "f16"}
+# The FP8 forward's N values (block_n of Q K^T, head_dim_v of P V).
+WGMMA_E4M3_N = fa3.WGMMA_E4M3_N
 
 HEADER = """\
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} — warpgroup-wide asynchronous MMA.
@@ -29,6 +31,13 @@ HEADER = """\
 // `accumulate` = 0 overwrites D (first k-step), 1 adds. kTransposeB = 1 reads B MN-major (N
 // contiguous, e.g. V of P V); 0 reads it K-major (e.g. K of Q K^T). kTransposeA (_ss only) = 1
 // reads A MN-major (M contiguous, e.g. dS from the backward's dS^T tile).
+//
+// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3 (the _e4m3 wrappers): D (64 x N, fp32) +=
+// A (64 x 32) * B (32 x N), both operands 8-bit e4m3 and K-major (the ISA has no transpose for
+// 8-bit types: a B stored N-contiguous must be transposed first). From registers, A is 4 32-bit
+// registers per thread of 4 elements each (lowest byte = lowest column): for lane 4g+q of warp w,
+// a[0] = row 16w+g, columns 4q..4q+3; a[1] = row 16w+g+8, the same columns; a[2], a[3] the same
+// rows at columns 16+4q..16+4q+3 (tests/gpu/probes/wgmma_e4m3.cu checks it).
 #pragma once
 #include "fagen/types.cuh"
 
@@ -99,6 +108,55 @@ __device__ __forceinline__ void wgmma_{kind}(float (&d)[kN / 8][4], {a_param},
 """
 
 
+def _e4m3_wrapper(n: int, a_from_registers: bool) -> str:
+    """m64nNk32 with e4m3 operands: no transpose immediates (both operands K-major)."""
+    regs = n // 2
+    d_list = ", ".join(f"%{i}" for i in range(regs))
+    outputs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    name = f"wgmma_m64n{n}k32_{'rs' if a_from_registers else 'ss'}_e4m3"
+    if a_from_registers:
+        a_ops, b_op, p_op = f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}", f"%{regs + 4}", f"%{regs + 5}"
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
+        a_param = "const uint32_t (&a)[4]"
+    else:
+        a_ops, b_op, p_op = f"%{regs}", f"%{regs + 1}", f"%{regs + 2}"
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
+        a_param = "unsigned long long desc_a"
+    return f"""
+__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param},
+        unsigned long long desc_b, int accumulate) {{
+    asm volatile(
+        "{{\\n"
+        ".reg .pred p;\\n"
+        "setp.ne.b32 p, {p_op}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+        "{{{d_list}}}, {a_ops}, {b_op}, p, 1, 1;\\n"
+        "}}\\n"
+        : {outputs}
+        : {inputs});
+}}
+"""
+
+
+def _e4m3_dispatch(a_from_registers: bool) -> str:
+    kind = "rs" if a_from_registers else "ss"
+    a_param = "const uint32_t (&a)[4]" if a_from_registers else "unsigned long long desc_a"
+    a_arg = "a" if a_from_registers else "desc_a"
+    branches = "".join(
+        f"    {'if' if i == 0 else '} else if'} constexpr (kN == {n}) {{\n"
+        f"        wgmma_m64n{n}k32_{kind}_e4m3(d, {a_arg}, desc_b, accumulate);\n"
+        for i, n in enumerate(WGMMA_E4M3_N))
+    return f"""
+// wgmma_{kind}_e4m3<N>: the e4m3 wrapper above for a compile-time N.
+template <int kN>
+__device__ __forceinline__ void wgmma_{kind}_e4m3(float (&d)[kN / 8][4], {a_param},
+        unsigned long long desc_b, int accumulate) {{
+    static_assert({" || ".join(f"kN == {n}" for n in WGMMA_E4M3_N)}, "no e4m3 wgmma wrapper for this N");
+{branches}    }}
+}}
+"""
+
+
 def render_header() -> str:
     parts = [HEADER]
     for n in WGMMA_N:
@@ -107,6 +165,11 @@ def render_header() -> str:
             parts.append(_wrapper(n, dtype, a_from_registers=True))
     parts.append(_dispatch(a_from_registers=False))
     parts.append(_dispatch(a_from_registers=True))
+    for n in WGMMA_E4M3_N:
+        parts.append(_e4m3_wrapper(n, a_from_registers=False))
+        parts.append(_e4m3_wrapper(n, a_from_registers=True))
+    parts.append(_e4m3_dispatch(a_from_registers=False))
+    parts.append(_e4m3_dispatch(a_from_registers=True))
     parts.append("\n}  // namespace fagen::ptx\n")
     return "".join(parts)
 
