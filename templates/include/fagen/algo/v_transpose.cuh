@@ -12,48 +12,28 @@
 // needs no shuffles (algo/element.cuh: pack_a_fragment for e4m3).
 //
 // Source: a V tile as TMA writes it with the 128-byte swizzle: head_dim_v / 128 chunks of kKeys
-// rows x 128 bytes; 16-byte unit u of row r at unit u ^ (r % 8). Target: kKeys / 128 chunks of
-// head_dim_v rows x 128 bytes (the keys), the same swizzle, which is what a K-major wgmma
-// descriptor with the 128-byte swizzle reads (SBO 1024).
+// rows x 128 bytes; 16-byte unit u of row r at unit u ^ (r % 8). Target: head_dim_v rows of 128
+// bytes (the keys), the same swizzle, which is what a K-major wgmma descriptor with the 128-byte
+// swizzle reads (SBO 1024).
 //
-// Work split, chosen so that neither the loads nor the stores of a warp meet a bank conflict: a
-// warp instruction covers 8 groups of 16 keys x 4 lanes each; lane 4j+q reads the 4-byte column
-// 32k+4j of group j^m's keys {2q, 2q+1, 8+2q, 9+2q} (4 LDS.32), transposes the 4 x 4 bytes with 8
-// byte permutes, and stores head-dim rows 32k+4j .. +3, each 4 consecutive logical keys (4
-// STS.32). Over an instruction the 32 loads hit 32 distinct banks (units (2k%8 + j/4) ^ 2q and
-// words j%4 differ) and so do the stores (units (j^m) ^ (4(j%2) + c) over j are a permutation).
-// Warp w takes m = w, w + kWarps, ... and every k of them. Every offset is a sum of
-// bit fields that do not overlap (group, row, 16-byte unit, word), so a lane computes its own
-// once and each (m, k, row) only XORs constants in: the first version recomputed the swizzle per
-// round (114 instructions a round, 1250 per tile and warp) and held the FP8 forward to 0.65x
-// the bf16 one (2026-12-04).
+// A step moves 512 bytes, 16 keys (group g) x 32 head-dim bytes (units 2p, 2p+1 of a chunk): one
+// ldmatrix.x4.trans reads keys 0-7 and 8-15 of each unit as 8x8 matrices of byte pairs, which
+// leaves lane 4j+q with the pair (2j, 2j+1) of keys 2q, 2q+1 from one matrix and of keys 8+2q,
+// 9+2q from the other: two byte permutes make V^T rows 2j and 2j+1 at logical keys 4q..4q+3,
+// the permutation above for free; one stmatrix.x4 writes the four rows' words. Lanes 4j+q with
+// j >= 4 swap their two rows between the stored matrices, so that each matrix's 8 rows have 8
+// different row % 8 (swizzle units): then neither instruction meets a bank conflict (checked with
+// a model of both instructions, 2026-12-04). Offsets are bit fields that do not overlap, so a
+// lane computes its own once and a step XORs in (g, p). The first version moved 4 bytes per lane
+// and instruction with the swizzle recomputed per round (1250 instructions per tile and warp,
+// the FP8 forward at 0.65x the bf16 one); the second (4-byte words, XOR'd offsets, ~540) still
+// bounded it: without any transposition the kernel ran 1.35-1.6x faster (2026-12-04).
 #pragma once
+#include "fagen/ptx/ldmatrix.cuh"
+#include "fagen/ptx/stmatrix.cuh"
 #include "fagen/types.cuh"
 
 namespace fagen::algo {
-
-// Bytes b of w0, w1, w2, w3 as one word (lowest byte from w0), for b = 0..3.
-struct TransposedWords {
-    uint32_t b0, b1, b2, b3;
-};
-
-__device__ __forceinline__ TransposedWords transpose_4x4_bytes(uint32_t w0, uint32_t w1, uint32_t w2,
-                                                               uint32_t w3) {
-    const uint32_t low01 = __byte_perm(w0, w1, 0x5140);   // w0.b0 w1.b0 w0.b1 w1.b1
-    const uint32_t high01 = __byte_perm(w0, w1, 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
-    const uint32_t low23 = __byte_perm(w2, w3, 0x5140);
-    const uint32_t high23 = __byte_perm(w2, w3, 0x7362);
-    return {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
-            __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
-}
-
-__device__ __forceinline__ uint32_t load_shared_word(uint32_t address) {
-    return *static_cast<const uint32_t*>(__cvta_shared_to_generic(address));
-}
-
-__device__ __forceinline__ void store_shared_word(uint32_t address, uint32_t value) {
-    *static_cast<uint32_t*>(__cvta_shared_to_generic(address)) = value;
-}
 
 // Transposes the V tile at `src` into the V^T tile at `dst` (shared addresses, both 1024-byte
 // aligned), by the kWarps warps of the calling threads; `warp` in [0, kWarps).
@@ -61,32 +41,27 @@ template <int kKeys, int kColumns, int kWarps>
 __device__ __forceinline__ void transpose_v_tile(uint32_t src, uint32_t dst, int warp, int lane) {
     static_assert(kKeys == 128, "V^T rows are one 128-byte swizzle row of keys");
     static_assert(kColumns % 128 == 0, "whole 128-byte chunks of V");
-    constexpr uint32_t kRowBytes = 128, kChunkBytes = kKeys * kRowBytes;
-    const uint32_t q = lane % 4, j = lane / 4;
-    // Source offsets (bits): group 16 keys (11-13), key row in the group (7-10), 16-byte unit
-    // (4-6, swizzled by the row's low 3 bits), word (2-3). Rows 2q+1, 8+2q, 9+2q differ from row
-    // 2q by these XORs (row bit 0 also flips the unit's bit 0).
-    const uint32_t src_lane = (j << 11) | (q << 8) | ((((j / 4) ^ (2 * q)) & 7) << 4) | ((j % 4) << 2);
-    constexpr uint32_t kRowFlip[4] = {0x000, 0x090, 0x400, 0x490};
-    // Target offsets: head-dim row (7-14: 32k + 4j + c), 16-byte unit of keys (4-6: group ^ row
-    // % 8), word (2-3: q).
-    const uint32_t dst_lane = (j << 9) | ((j ^ ((j % 2) << 2)) << 4) | (q << 2);
-#pragma unroll 1
-    for (uint32_t m = warp; m < 8; m += kWarps) {
-        const uint32_t src_m = src_lane ^ (m << 11), dst_m = dst_lane ^ (m << 4);
-#pragma unroll 2  // two k's in flight: four spilled at head_dim 256 under the warps' 24 registers
-        for (uint32_t k = 0; k < kColumns / 32; ++k) {
-            const uint32_t from = src + (k / 4) * kChunkBytes;
-            const uint32_t src_k = src_m ^ ((k % 4) << 5);
-            const TransposedWords t = transpose_4x4_bytes(
-                load_shared_word(from + (src_k ^ kRowFlip[0])), load_shared_word(from + (src_k ^ kRowFlip[1])),
-                load_shared_word(from + (src_k ^ kRowFlip[2])), load_shared_word(from + (src_k ^ kRowFlip[3])));
-            const uint32_t dst_k = dst_m ^ (k << 12);
-            store_shared_word(dst + (dst_k ^ 0x000), t.b0);
-            store_shared_word(dst + (dst_k ^ 0x090), t.b1);
-            store_shared_word(dst + (dst_k ^ 0x120), t.b2);
-            store_shared_word(dst + (dst_k ^ 0x1b0), t.b3);
-        }
+    constexpr uint32_t kChunkBytes = kKeys * 128;      // a 128-column chunk of V; 128 rows of V^T
+    constexpr uint32_t kSteps = (kColumns / 128) * 4 * 8;  // (chunk, unit pair p, key group g)
+    // ldmatrix: lane 8m+i gives row i of matrix m, keys 8(m%2)+i of the group, unit m/2 of the
+    // pair. Bits: group 11-13, the 8 keys 10, key 7-9, swizzled unit 4-6.
+    const uint32_t matrix = lane / 8, row = lane % 8;
+    const uint32_t src_lane = ((matrix % 2) << 10) | (row << 7) | (((matrix / 2) ^ row) << 4);
+    // stmatrix: lane 8m+r gives row r of matrix m, V^T row 16(2p + m/2) + 2r + (m%2 ^ r/4).
+    // Bits: unit pair 12-13, unit 11, row 7-10, swizzled key group 4-6.
+    const uint32_t swap = row / 4, odd = (matrix % 2) ^ swap;
+    const uint32_t dst_lane = ((matrix / 2) << 11) | (row << 8) | (odd << 7) | (((2 * row + odd) % 8) << 4);
+    // This lane's byte pair j = lane / 4: V^T row 2j takes the even bytes, 2j + 1 the odd ones;
+    // swapped for j >= 4 (see above).
+    const uint32_t first = lane / 4 < 4 ? 0x6420 : 0x7531, second = lane / 4 < 4 ? 0x7531 : 0x6420;
+#pragma unroll 1  // two steps in flight spilled 4 bytes at head_dim 256 under the warps' 24 registers
+    for (uint32_t step = warp; step < kSteps; step += kWarps) {
+        const uint32_t g = step % 8, p = (step / 8) % 4, chunk = step / 32;
+        uint32_t pairs[4];
+        ptx::ldmatrix_x4_trans(pairs, src + chunk * kChunkBytes + (src_lane ^ (g << 11) ^ (p << 5)));
+        const uint32_t rows[4] = {__byte_perm(pairs[0], pairs[1], first), __byte_perm(pairs[0], pairs[1], second),
+                                  __byte_perm(pairs[2], pairs[3], first), __byte_perm(pairs[2], pairs[3], second)};
+        ptx::stmatrix_x4(dst + chunk * kChunkBytes + (dst_lane ^ (p << 12) ^ (g << 4)), rows);
     }
 }
 
