@@ -3,7 +3,12 @@ process, same run, with the e4m3 matmul ceiling measured at the start (shared/BE
 FLOPs as for bf16, 16k tokens per batch, hidden 2048, rotating rounds, median of do_bench).
 
     python -m bench.fp8 [--seqlens 512,...,16384] [--head-dims 128,256] [--causal both|yes|no]
-                        [--repeats N] [--bundle DIR] [--json PATH] [--no-cudnn]
+                        [--repeats N] [--bundle DIR] [--json PATH] [--no-cudnn] [--accuracy]
+
+--accuracy prints, instead of the timings, the FP8 forward's relative error against fp64
+attention of the unquantised inputs, with and without incoherent processing
+(fagen.torch.incoherent_qk), on inputs without outliers and with FlashAttention-3's (N(0, 1)
+plus N(0, 100) on 0.1 % or 1 % of the elements of q and k), beside the bf16 forward's.
 
 cuDNN's FP8 graph comes from the `nvidia-cudnn-frontend` package (bench/cudnn_fp8.py), which the
 GPU machine lacks: carry its wheel and put it on PYTHONPATH; without it the rows have no cuDNN
@@ -23,7 +28,7 @@ from bench import cuda_missing, write_rows
 from bench.attention import (
     HIDDEN, TOTAL_TOKENS, _int_list, attention_flops, median_ms, rotating_samples, tflops,
 )
-from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
+from fagen.torch import KernelNotFound, flash_attn_func, get_bundle, incoherent_qk, quantize_e4m3
 
 E4M3 = torch.float8_e4m3fn
 
@@ -73,6 +78,34 @@ def measure(head_dim: int, causal: bool, seqlen: int, bundle, repeats: int, cudn
     return row
 
 
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.double() - reference).norm() / reference.norm()).item()
+
+
+def accuracy_rows(bundle, head_dims, batch=2, seqlen=2048, heads=16) -> list[str]:
+    lines = ["| hd | outliers | fp8 | fp8, incoherent | incoherent gain | bf16 |", "|---|---|---|---|---|---|"]
+    for head_dim in head_dims:
+        for share in (0.0, 0.001, 0.01):
+            g = torch.Generator(device="cuda").manual_seed(head_dim)
+            q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", generator=g) for _ in range(3))
+            for x in (q, k):
+                x += (torch.rand(x.shape, device="cuda", generator=g) < share) * torch.randn(
+                    x.shape, device="cuda", generator=g) * 10
+            qh, kh, vh = (x.double().transpose(1, 2) for x in (q, k, v))
+            reference = torch.softmax(qh @ kh.transpose(-1, -2) / head_dim ** 0.5, -1) @ vh
+            reference = reference.transpose(1, 2)
+            errors = []
+            for rotate in (False, True):
+                qr, kr = incoherent_qk(q, k) if rotate else (q, k)
+                (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(qr), quantize_e4m3(kr), quantize_e4m3(v)
+                out = flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, bundle=bundle)
+                errors.append(relative_error(out, reference))
+            bf16 = relative_error(flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), bundle=bundle), reference)
+            lines.append(f"| {head_dim} | {share:.1%} | {errors[0]:.4f} | {errors[1]:.4f} | "
+                         f"{errors[0] / errors[1]:.2f} | {bf16:.4f} |")
+    return lines
+
+
 def format_table(rows: list[dict], ceiling: float | None) -> str:
     lines = [f"FP8 forward TFLOP/s (16k tokens, hidden 2048); e4m3 matmul ceiling {ceiling or float('nan'):.0f}",
              "| hd | causal | seqlen | fp8 | bf16 | cuDNN-fp8 | fp8/bf16 | fp8/cuDNN | fp8/ceiling | maxdiff |",
@@ -102,10 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", default=None)
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--no-cudnn", action="store_true")
+    parser.add_argument("--accuracy", action="store_true")
     args = parser.parse_args(argv)
     if cuda_missing("bench.fp8"):
         return 2
     bundle = get_bundle(args.bundle)
+    if args.accuracy:
+        print("\n".join(accuracy_rows(bundle, args.head_dims)))
+        return 0
     cudnn_peer = None
     if not args.no_cudnn:
         from bench import cudnn_fp8
