@@ -247,8 +247,6 @@ HEAD_DIM_MULTIPLE = 8  # 16-byte vectors of fp16/bf16
 ALIGNMENT_BYTES = 16  # every row start: the kernels move 16-byte vectors
 STRIDE_MULTIPLE = 8  # batch/row/head strides, in elements (16 bytes of fp16/bf16)
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads, batch)
-TMA_BOX_COLUMNS = 64  # FagenTmaMaps (params.h): boxes of 64 columns, 128-byte swizzle
-ELEMENT_BYTES = 2  # fp16 / bf16
 TMA_BOX_BYTES = 128  # a box row is one 128-byte swizzle row, whatever the element
 
 
@@ -393,10 +391,20 @@ class SplitWorkspace:
 
 # A KV-cache call whose rows bring at least PAGED_TILE_MIN_QUERIES query tokens (a prefill) runs
 # on a tile kernel of the paged layout (FA3: K/V read once per 128 queries of a head, not once
-# per 16 GQA-packed rows) when the bundle has one; its K/V tiles load in runs of
-# CACHE_TMA_BOX_ROWS keys (the page-size multiple), each from its own page.
+# per 16 GQA-packed rows) when the bundle has one; its K/V tiles load in runs of keys, each from
+# its own page (cache_box_rows), CACHE_TMA_BOX_ROWS at least (the page-size multiple).
 PAGED_TILE_MIN_QUERIES = 128
 CACHE_TMA_BOX_ROWS = 16
+
+
+def cache_box_rows(page_size: int, tile_rows: int) -> int:
+    """Keys per TMA box of a paged tile kernel's K/V tile of `tile_rows` keys (its launch's
+    tma_kv_rows) over pages of `page_size` keys (0: a contiguous cache): the whole tile where a
+    page (or a cache row) holds whole tiles, a page where a tile holds whole pages, else runs of
+    CACHE_TMA_BOX_ROWS. Mirrored by templates/include/fagen/algo/tma_tile.cuh: cache_box_rows."""
+    if page_size == 0 or page_size % tile_rows == 0:
+        return tile_rows
+    return page_size if tile_rows % page_size == 0 else CACHE_TMA_BOX_ROWS
 
 
 def companion_grid(batch: int, rows: int, heads: int) -> tuple[int, int, int]:

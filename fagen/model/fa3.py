@@ -344,7 +344,7 @@ class Fa3ForwardSpec(KernelSpec):
         "consumers' registers"))
     MASKS: ClassVar[tuple[str, ...]] = contract.MASK_KINDS
     # paged: a KV-cache call's prefill (many query rows), its K/V tiles gathered through the block
-    # table in runs of contract.CACHE_TMA_BOX_ROWS keys; decode goes to the split-KV kernels.
+    # table in runs of keys (contract.cache_box_rows); decode goes to the split-KV kernels.
     LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen", "paged")
     DTYPES: ClassVar[tuple[str, ...]] = contract.DTYPES
     FA_VERSION: ClassVar[int] = 3
@@ -415,6 +415,5 @@ class Fa3ForwardSpec(KernelSpec):
 
     def launch(self) -> contract.Launch:
         g = self.geometry
-        kv_rows = contract.CACHE_TMA_BOX_ROWS if self.layout == "paged" else g.block_n
         return contract.Launch(threads=g.threads, block_m=g.block_m, dynamic_smem=g.smem_bytes,
-                               grid="persistent", tma_q_rows=g.block_m, tma_kv_rows=kv_rows)
+                               grid="persistent", tma_q_rows=g.block_m, tma_kv_rows=g.block_n)

@@ -111,7 +111,7 @@ def _check_cache(problem: Problem, cache: KvCache, entry: KernelEntry) -> None:
         if getattr(cache, name) % 4:
             raise AttentionError(f"{name}: an int32 device array, 4-byte aligned")
     if cache.block_table:
-        block_n = entry.launch.block_n if entry.launch.grid == "splits" else entry.launch.tma_kv_rows
+        block_n = entry.launch.block_n if entry.launch.grid == "splits" else contract.CACHE_TMA_BOX_ROWS
         if cache.page_size <= 0 or cache.page_size % block_n:
             raise AttentionError(f"page_size={cache.page_size}: must be a positive multiple of {block_n} "
                                  f"(kernel {entry.name} reads {block_n} keys at a time, within one page)")
@@ -238,7 +238,7 @@ def _prepare_tiles(bundle: Bundle, entry: KernelEntry, problem: Problem, q: Tens
     """A paged-layout call on a tile kernel (FA3, templates/include/fagen/fa3/forward.cuh: kPaged):
     its persistent grid (a CTA per work item for packed rows of mixed lengths, as a varlen call's),
     Q's map over dense or packed q, K's and V's over the pages (page_size rows, pages batch rows)
-    or the contiguous cache, in boxes of the runs of keys the kernel loads."""
+    or the contiguous cache, in boxes of the runs of keys the kernel loads (contract.cache_box_rows)."""
     p = problem
     grid = launch_grid(entry, p.seqlen_q, p.heads_q, p.batch, device)
     if cache.cu_seqlens_q and contract.varlen_walks_items(p.batch, p.seqlen_q, cache.total_q):
@@ -248,7 +248,7 @@ def _prepare_tiles(bundle: Bundle, entry: KernelEntry, problem: Problem, q: Tens
     params, append_grid = _serving_params(p, q, k, v, out, cache, scale, score_tensors, new_keys)
     q_rows, q_batch = (max(cache.total_q, 1), 1) if cache.cu_seqlens_q else (p.seqlen_q, p.batch)
     kv_rows, kv_batch = (cache.page_size, cache.pages) if cache.block_table else (p.seqlen_k, p.batch)
-    box = entry.launch.tma_kv_rows
+    box = contract.cache_box_rows(cache.page_size if cache.block_table else 0, entry.launch.tma_kv_rows)
     maps = _blob_array(b"".join((
         _tensor_map(p.dtype, _map_tensor(q, q_rows) if cache.cu_seqlens_q else q, q_rows, p.heads_q, q_batch,
                     p.head_dim, entry.launch.tma_q_rows),

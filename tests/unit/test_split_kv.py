@@ -233,7 +233,7 @@ def prefill_bundle(tmp_path):
     tiles = kernel_entry("sm90a", "fwd/bf16/hd128/local", fa_version=3)
     tiles.update(key="fwd/bf16/hd128/local/paged",
                  launch={"threads": 384, "block_m": 128, "dynamic_smem": 164864, "grid": "persistent",
-                         "tma_q_rows": 128, "tma_kv_rows": contract.CACHE_TMA_BOX_ROWS})
+                         "tma_q_rows": 128, "tma_kv_rows": 128})
     return load(write_bundle(tmp_path / "b", [split, tiles]))
 
 
@@ -247,7 +247,8 @@ def test_a_prefill_runs_on_the_tile_kernel_and_a_decode_on_the_split_kernels(pre
     # Q over (batch, seqlen_q) rows in tiles of 128; K and V over the pages, in runs of 16 keys.
     q_map, k_map, v_map = fake.maps[-3:]
     assert q_map[2] == (128, rows, 32, 4) and q_map[4] == (64, 128, 1, 1)
-    assert k_map[2] == v_map[2] == (128, 64, 8, 64) and k_map[4] == (64, contract.CACHE_TMA_BOX_ROWS, 1, 1)
+    # Pages of 64 keys: a 128-key tile is two pages, one box each (contract.cache_box_rows).
+    assert k_map[2] == v_map[2] == (128, 64, 8, 64) and k_map[4] == (64, 64, 1, 1)
     prepared.launch(0x600000, 0xA00000, 0)
     (main,) = fake.launches
     assert main["grid"] == (min(4 * 32, 132), 1, 1)
@@ -273,3 +274,12 @@ def test_a_packed_prefill_maps_the_packed_rows(prefill_bundle, fake):  # noqa: F
     assert fake.maps[-3][2] == (128, total, 32, 1)
     p = abi.FwdParams.from_buffer_copy(prepared.params)
     assert (p.o_batch_stride, p.lse_batch_stride, p.lse_head_stride, p.cu_seqlens_q) == (0, 0, total, 0x880000)
+
+
+@pytest.mark.parametrize("page_size, box", [(0, 128), (16, 16), (32, 32), (64, 64), (128, 128), (256, 128),
+                                            (48, 16), (96, 16), (384, 128)])
+def test_a_tile_loads_its_keys_in_the_largest_runs_its_pages_allow(page_size, box):
+    """contract.cache_box_rows for a 128-key tile: whole tiles from a contiguous cache (0) or
+    from pages holding whole tiles, whole pages where the tile holds whole pages, else 16 keys."""
+    assert contract.cache_box_rows(page_size, 128) == box
+    assert contract.cache_box_rows(page_size, 80) == (80 if page_size == 0 else 16)

@@ -56,31 +56,42 @@ __device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_
 }
 
 // Where the runs of a K or V tile of kRows keys of a paged-layout batch row (algo/batch_row.cuh:
-// kPagedRows) come from, from key `key_begin` on, `keys` being the row's: runs of kBoxRows keys
-// (fagen/contract.py: CACHE_TMA_BOX_ROWS; a page holds whole runs), each from its page of the
-// block table, or from the row's block of a contiguous cache (no block table: the map's batch is
-// the batch row). A run past the row's keys, or through a table entry outside [0, pages), reads
-// coordinates outside the map: zeros, never another row's page. Every lookup is issued before
-// any is used, and K and V share them: one memory latency per key block. Looked up run by run
-// between the copies, the producer waited one latency per run, and a prefill over 16-key pages
-// ran at 0.25-0.29x the varlen call's speed on the same keys (2026-12-04).
-template <int kRuns>
+// kPagedRows) come from, from key `key_begin` on (a multiple of kRows), `keys` being the row's:
+// runs of box_rows keys (cache_box_rows), each from its page of the block table, or from the
+// row's block of a contiguous cache (no block table: the map's batch is the batch row). A run
+// past the row's keys, or through a table entry outside [0, pages), reads coordinates outside
+// the map: zeros, never another row's page. Every lookup is issued before any is used, and K and
+// V share them: one memory latency per key block. Looked up run by run between the copies, the
+// producer waited one latency per run, and a prefill over 16-key pages ran at 0.25-0.29x the
+// varlen call's speed on the same keys (2026-12-04).
+template <int kMaxRuns>
 struct CacheRuns {
-    int page[kRuns];
-    int row[kRuns];
+    int page[kMaxRuns];
+    int row[kMaxRuns];
+    int box_rows;
 };
 
-template <int kRows, int kBoxRows>
-__device__ __forceinline__ CacheRuns<kRows / kBoxRows> cache_runs(const FagenFwdParams& p, int batch,
-                                                                  int key_begin, int keys) {
-    static_assert(kRows % kBoxRows == 0 && kBoxRows * 128 % kSwizzleAtomBytes == 0);
-    CacheRuns<kRows / kBoxRows> runs;
+// Keys per TMA box (the host encoded the K/V maps with it; fagen/contract.py: cache_box_rows):
+// the whole tile where a page (or a contiguous cache's row) holds whole tiles, a page where a
+// tile holds whole pages, else runs of kMinBoxRows.
+template <int kRows, int kMinBoxRows>
+__device__ __forceinline__ int cache_box_rows(const FagenFwdParams& p) {
+    if (p.block_table == nullptr || p.page_size % kRows == 0) return kRows;
+    return kRows % p.page_size == 0 ? p.page_size : kMinBoxRows;
+}
+
+template <int kRows, int kMinBoxRows>
+__device__ __forceinline__ CacheRuns<kRows / kMinBoxRows> cache_runs(const FagenFwdParams& p, int batch,
+                                                                     int key_begin, int keys) {
+    static_assert(kRows % kMinBoxRows == 0 && kMinBoxRows * 128 % kSwizzleAtomBytes == 0);
+    CacheRuns<kRows / kMinBoxRows> runs;
+    runs.box_rows = cache_box_rows<kRows, kMinBoxRows>(p);
 #pragma unroll
-    for (int r = 0; r < kRows / kBoxRows; ++r) {
-        const int key = key_begin + r * kBoxRows;
+    for (int r = 0; r < kRows / kMinBoxRows; ++r) {
+        const int key = key_begin + r * runs.box_rows;
         runs.page[r] = batch;
         runs.row[r] = key;
-        if (p.block_table != nullptr) {
+        if (p.block_table != nullptr && r * runs.box_rows < kRows) {
             runs.page[r] = key < keys ? p.block_table[batch * p.block_table_batch_stride + key / p.page_size] : p.pages;
             runs.row[r] = key % p.page_size;
         }
@@ -90,16 +101,17 @@ __device__ __forceinline__ CacheRuns<kRows / kBoxRows> cache_runs(const FagenFwd
 
 // The tile of `runs` into `dst`, each run in the place one box of kRows rows would put it (a run
 // is whole swizzle atoms); `full` is told the tile's bytes first.
-template <int kChunks, int kRows, int kBoxRows>
+template <int kChunks, int kRows, int kMinBoxRows>
 __device__ __forceinline__ void tma_load_cache_tile(const FagenTensorMap& map, uint32_t dst, uint32_t full,
-                                                    const CacheRuns<kRows / kBoxRows>& runs, int head) {
+                                                    const CacheRuns<kRows / kMinBoxRows>& runs, int head) {
     ptx::mbarrier_arrive_expect_tx(full, kChunks * kRows * 128);
 #pragma unroll
-    for (int r = 0; r < kRows / kBoxRows; ++r) {
+    for (int r = 0; r < kRows / kMinBoxRows; ++r) {
+        if (r * runs.box_rows >= kRows) break;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-            ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * kRows * 128 + r * kBoxRows * 128, &map, full,
-                                                          c * 64, runs.row[r], head, runs.page[r]);
+            ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * kRows * 128 + r * runs.box_rows * 128, &map,
+                                                          full, c * 64, runs.row[r], head, runs.page[r]);
         }
     }
 }

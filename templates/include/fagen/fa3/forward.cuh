@@ -4,8 +4,8 @@
 // optional ping-pong scheduling between the two consumer warpgroups (FlashAttention-3 paper,
 // sections 3.1 and 3.2), and a persistent grid. Dense, varlen (Config::kVarlen:
 // algo/batch_row.cuh; a varlen map spans the packed rows, batch 1) or paged (Config::kPaged: a
-// KV-cache call's prefill, its K/V tiles loaded in runs of kCacheBoxRows keys through the block
-// table, algo/tma_tile.cuh).
+// KV-cache call's prefill, its K/V tiles loaded in runs of keys through the block table,
+// algo/tma_tile.cuh: cache_runs).
 //
 // The element is fp16, bf16 or e4m3 (FP8, FlashAttention-3 paper section 3.3): with e4m3 both
 // products run on the 8-bit wgmma (k32), the scores and O are scaled by the call's descales
