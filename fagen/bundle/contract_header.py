@@ -8,10 +8,10 @@ import string
 from ..contract import (
     ACCUM_BOX_COLUMNS, ACCUM_BYTES, ALIGNMENT_BYTES, BWD_CONVERT_SUFFIX, BWD_PREPROCESS_SUFFIX,
     BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMPANION_ROWS_PER_CTA, COMPANION_THREADS,
-    DQ_ACCUM_ROW_ALIGN, ELEMENT_BYTES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
+    DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
     MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
-    STRIDE_MULTIPLE, TMA_BOX_COLUMNS, kernel_key, variant_name,
+    kernel_key, output_dtype, stride_multiple, tma_box_columns, variant_name,
 )
 
 CONTRACT_HEADER = "include/fagen/contract.h"
@@ -123,6 +123,11 @@ inline BackwardWorkspace backward_workspace_varlen(long long batch, long long he
 """
 
 
+def _dtype_table(value_of) -> str:
+    """A C initializer of value_of(dtype) for each of DTYPES, in its order."""
+    return "{" + ", ".join(str(value_of(dtype)) for dtype in DTYPES) + "}"
+
+
 def render_contract_header() -> str:
     """contract.h: this module's definitions for fagen.hpp (the same values, one source)."""
     return "\n".join([
@@ -134,13 +139,20 @@ def render_contract_header() -> str:
         f"#define FAGEN_MAX_HEAD_DIM {MAX_HEAD_DIM}",
         f"#define FAGEN_HEAD_DIM_MULTIPLE {HEAD_DIM_MULTIPLE}",
         f"#define FAGEN_ALIGNMENT_BYTES {ALIGNMENT_BYTES}",
-        f"#define FAGEN_STRIDE_MULTIPLE {STRIDE_MULTIPLE}",
         f"#define FAGEN_MAX_GRID_YZ {MAX_GRID_YZ}",
-        f"#define FAGEN_TMA_BOX_COLUMNS {TMA_BOX_COLUMNS}",
-        f"#define FAGEN_ELEMENT_BYTES {ELEMENT_BYTES}",
         f"#define FAGEN_ACCUM_BYTES {ACCUM_BYTES}",
         f"#define FAGEN_ACCUM_BOX_COLUMNS {ACCUM_BOX_COLUMNS}",
         f"#define FAGEN_LOG2_E {LOG2_E!r}",
+        "/* The element types of q, k and v, in the order of fagen/contract.py's DTYPES (fagen.hpp's",
+        "   DType), and per type: its bytes (DTYPE_BYTES), the type of a forward's output (an index",
+        "   into FAGEN_DTYPE_NAMES; output_dtype), the multiple of elements its strides must be",
+        "   (stride_multiple: 16 bytes) and the columns of its TMA boxes (tma_box_columns: one",
+        "   128-byte swizzle row). */",
+        "#define FAGEN_DTYPE_NAMES {" + ", ".join(f'"{name}"' for name in DTYPES) + "}",
+        f"#define FAGEN_DTYPE_BYTES {_dtype_table(DTYPE_BYTES.get)}",
+        f"#define FAGEN_OUTPUT_DTYPES {_dtype_table(lambda dtype: DTYPES.index(output_dtype(dtype)))}",
+        f"#define FAGEN_DTYPE_STRIDE_MULTIPLES {_dtype_table(stride_multiple)}",
+        f"#define FAGEN_DTYPE_TMA_BOX_COLUMNS {_dtype_table(tma_box_columns)}",
         "/* The kinds of mask, in MaskKind's order (algo/mask.cuh); fagen/contract.py, MASK_KINDS. A",
         "   custom mask's key spells the user's name for it. */",
         *(f"#define FAGEN_MASK_{name.upper()} {index}" for index, name in enumerate(MASK_KINDS)),

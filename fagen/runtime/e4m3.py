@@ -54,7 +54,7 @@ def descales_problem(dtype: str, descales: Descales | None) -> str | None:
         return None
     if dtype != E4M3:
         return (f"descales: for e4m3 problems only; a {dtype} problem's elements are its values "
-                "(leave descales None)")
+                "(give the call no descales)")
     for t in _TENSORS:
         address = getattr(descales, t)
         if address % 4:

@@ -1,12 +1,15 @@
 """fagen.hpp and examples/cpp without a GPU: the example builds with CMake against a fresh bundle
 and runs end to end on a fake libcuda.so.1 (tests/compile/cpp/fake_libcuda.cpp); the header
-refuses tampered and other-ABI bundles; its kernel selection matches the Python loader's.
+refuses tampered and other-ABI bundles; its kernel selection matches the Python loader's; its
+calls (the e4m3 ones with their descales too) launch with the parameters and TMA maps that
+fagen.runtime.call.prepare builds for the same call, and refuse what it refuses.
 
 cuda.h comes from the pip wheel nvidia-cuda-runtime (the `dev` extra) or a CUDA toolkit."""
 
 from __future__ import annotations
 
 import ctypes.util
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +22,8 @@ import pytest
 from bundle_variants import OTHER_ABI_VERSION, copy_bundle, set_abi_version, tamper_cubin
 from fagen import abi, contract
 from fagen.bundle.cindex import INDEX_HEADER, render_index_header
-from fagen.bundle.format import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from fagen.bundle.format import MANIFEST_NAME, SCHEMA_VERSION, Manifest, sha256_bytes
+from fagen.runtime import e4m3
 from fagen.runtime.loader import KernelNotFound, select
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,10 +101,15 @@ def fake_driver(ci_small, cuda_include, tmp_path_factory):
     return directory
 
 
-def run(program: Path, *args: str, driver_dir: Path | None = None, cc: tuple[int, int] = (9, 0)):
+def run(program: Path, *args: str, driver_dir: Path | None = None, cc: tuple[int, int] = (9, 0),
+        record: bool = False):
+    """`program` with `args`; on the fake driver in `driver_dir` (a device of compute capability
+    `cc`), which with `record` prints the maps and launches it is asked for instead of running them."""
     env = {**os.environ, "FAKE_CC_MAJOR": str(cc[0]), "FAKE_CC_MINOR": str(cc[1])}
     if driver_dir is not None:
         env["LD_LIBRARY_PATH"] = str(driver_dir)
+    if record:
+        env["FAKE_RECORD"] = "1"
     return subprocess.run([str(program), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -232,21 +241,71 @@ def test_cpp_score_scale_rule_matches_python(open_bundle, scale, softcap):
     assert result.stdout.strip().split(":")[0] == expected
 
 
+@pytest.mark.parametrize("dtype", contract.DTYPES)
 @pytest.mark.parametrize("data, strides, tma", [
     (4096, (8192, 64, 16), False), (0, (8, 8, 8), False), (4104, (8, 8, 8), False), (4096, (12, 8, 8), False),
     (4096, (-8, 8, 8), False), (4096, (0, 64, 8), False), (4096, (0, 64, 8), True), (4096, (64, 0, 8), True),
+    (4096, (4096, 256, 128), True), (4096, (4096, 272, 16), True),
 ])
-def test_cpp_tensor_rule_matches_python(open_bundle, data, strides, tma):
+def test_cpp_tensor_rule_matches_python(open_bundle, data, strides, tma, dtype):
     from fagen.runtime.call import AttentionError, Tensor, _check_tensor
 
     try:
-        _check_tensor("t", Tensor(data, *strides), tma)
+        _check_tensor("t", Tensor(data, *strides), tma, dtype)
         expected = "ok"
     except AttentionError as exc:
         expected = f"error: fagen: {exc}"
-    result = run(open_bundle, "--tensor", data, *strides, int(tma))
+    result = run(open_bundle, "--tensor", data, *strides, int(tma), dtype)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("dtype", contract.DTYPES)
+def test_cpp_element_rules_match_python(open_bundle, dtype):
+    """fagen.hpp's DType, by contract.h's tables: element bytes, the output's element, the stride
+    multiple and the TMA box columns of contract.py."""
+    result = run(open_bundle, "--dtype", dtype)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(contract.DTYPE_BYTES[dtype]), contract.output_dtype(dtype),
+                                     str(contract.stride_multiple(dtype)), str(contract.tma_box_columns(dtype))]
+
+
+@pytest.mark.parametrize("mask_mod", (None, "document"))
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
+@pytest.mark.parametrize("direction", contract.DIRECTIONS)
+@pytest.mark.parametrize("dtype", ("e4m3", "bf16"))
+def test_cpp_e4m3_call_rule_matches_python(open_bundle, dtype, direction, layout, mask_mod):
+    """Which calls an e4m3 kernel serves (fagen.runtime.e4m3.call_problem): the forward of the
+    dense layout, without score modifiers or a custom mask; any call of another dtype."""
+    for mods in ((), ("softcap",), ("alibi", "sinks"), contract.SCORE_MODS):
+        found = e4m3.call_problem(direction, layout, mods, mask_mod) if dtype == "e4m3" else None
+        expected = "ok" if found is None else f"error: fagen: {found}"
+        flags = [30.0 if "softcap" in mods else 0.0, int("alibi" in mods), int("sinks" in mods)]
+        result = run(open_bundle, "--e4m3-call", dtype, direction, layout, *flags, mask_mod or "-")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected, mods
+
+
+DESCALES_CASES = {
+    "none-bf16": ("bf16", e4m3.Descales()),
+    "none-e4m3": ("e4m3", e4m3.Descales()),
+    "per-kv-head": ("e4m3", e4m3.Descales(q=0x50000, k=0x50100, v=0x50200, q_batch_stride=2, q_head_stride=1,
+                                          k_batch_stride=2, k_head_stride=1)),
+    "one-of-three": ("e4m3", e4m3.Descales(v=0x50200)),
+    "on-bf16": ("bf16", e4m3.Descales(v=0x50200)),
+    "on-fp16-strides-only": ("fp16", e4m3.Descales(q_batch_stride=4)),
+    "misaligned": ("e4m3", e4m3.Descales(q=0x50000, k=0x50102)),
+    "negative-head-stride": ("e4m3", e4m3.Descales(v=0x50200, v_head_stride=-1)),
+    "negative-batch-stride": ("e4m3", e4m3.Descales(q_batch_stride=-2)),
+}
+
+
+@pytest.mark.parametrize("dtype, descales", DESCALES_CASES.values(), ids=DESCALES_CASES.keys())
+def test_cpp_descales_rule_matches_python(open_bundle, dtype, descales):
+    found = e4m3.descales_problem(dtype, descales)
+    result = run(open_bundle, "--descales", dtype, *(getattr(descales, f.name) for f in dataclasses.fields(descales)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("ok" if found is None else f"error: fagen: {found}")
 
 
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
@@ -438,9 +497,10 @@ TMA_PROBLEMS = {
 }
 
 
-@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 @pytest.mark.parametrize("layout", ("contiguous", "strided"))
-@pytest.mark.parametrize("dtype", ("bf16", "fp16"))
+@pytest.mark.parametrize("dtype, backward", [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True),
+                                             ("e4m3", False)],  # e4m3: 1-byte elements, 128-column boxes
+                         ids=("bf16-fwd", "bf16-bwd", "fp16-fwd", "fp16-bwd", "e4m3-fwd"))
 @pytest.mark.parametrize("shape", TMA_PROBLEMS.values(), ids=TMA_PROBLEMS.keys())
 def test_cpp_tma_maps_match_python(open_bundle, recorded_tensor_maps, shape, dtype, layout, backward):
     from fagen.runtime import call
@@ -554,3 +614,287 @@ def test_tma_map_enums_are_the_drivers(recorded_tensor_maps):
     assert m["l2_promotion"] == int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B)
     assert m["oob_fill"] == int(cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     assert (m["dims"], m["strides"], m["box"]) == ((64, 100, 2, 1), (256, 128, 25600), (64, 128, 1, 1))
+
+
+# ---------------------------------------------------------------------------- calls: C++ vs Python
+
+# FA3 forwards of e4m3 and bf16 with the default bundle's launch shapes (sm90a, persistent grid,
+# TMA), added to ci-small with stand-in cubins: the fake libcuda runs or records their launches.
+FA3_STAND_INS = {"fwd/e4m3/hd128/causal": (128, 128), "fwd/bf16/hd128/causal": (128, 176)}  # key: TMA box rows
+BATCH, SEQLEN_Q, SEQLEN_K, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 300, 500, 8, 2, 128
+LSE, DESCALE, ARRAY = 6 << 20, 7 << 20, 8 << 20  # addresses of the LSE, fp32 descales, other fp32 arrays
+
+
+@pytest.fixture(scope="module")
+def fa3_bundle(ci_small, tmp_path_factory):
+    """ci-small plus the FA3_STAND_INS kernels (manifest, index.h and cubins consistent)."""
+    bundle_dir = copy_bundle(ci_small[0], tmp_path_factory.mktemp("fa3") / "fa3")
+    d = json.loads((bundle_dir / MANIFEST_NAME).read_text())
+    template = next(k for k in d["kernels"] if k["arch"] == "sm90a")
+    for key, (q_rows, kv_rows) in FA3_STAND_INS.items():
+        name = "fa3_" + key.replace("/", "_") + "_stand_in"
+        cubin, data = f"cubin/sm90a/{name}.cubin", f"stand-in cubin of {name}".encode()
+        (bundle_dir / cubin).write_bytes(data)
+        d["kernels"].append({
+            **template, "name": name, "key": key, "cubin": cubin, "source": f"src/sm90a/{name}.cu",
+            "sha256": sha256_bytes(data), "size": len(data), "max_seqlen_k": None,
+            "launch": {"threads": 384, "block_m": 128, "dynamic_smem": 165032, "grid": "persistent",
+                       "tma_q_rows": q_rows, "tma_kv_rows": kv_rows}})
+    manifest = Manifest.from_dict(d)
+    (bundle_dir / MANIFEST_NAME).write_text(manifest.to_json())
+    (bundle_dir / INDEX_HEADER).write_text(render_index_header(manifest))
+    return bundle_dir
+
+
+@pytest.fixture(scope="module")
+def fa3_programs(fa3_bundle, cuda_include, tmp_path_factory):
+    """(open_bundle, fagen_attention, the fake driver's directory), built against fa3_bundle."""
+    directory = tmp_path_factory.mktemp("fa3-programs")
+    builds = [(CPP_TESTS / "open_bundle.cpp", directory / "open_bundle", ("-O1", *WARNINGS)),
+              (REPO / "examples" / "cpp" / "attention.cpp", directory / "fagen_attention", ("-O2", *WARNINGS)),
+              (CPP_TESTS / "fake_libcuda.cpp", directory / "libcuda.so.1", ("-O2", "-shared", "-fPIC"))]
+    for source, out, flags in builds:
+        built = compile_program(source, fa3_bundle, cuda_include, out, *flags)
+        assert built.returncode == 0, built.stderr
+    return directory / "open_bundle", directory / "fagen_attention", directory
+
+
+@pytest.fixture
+def python_calls(fa3_bundle, recorded_tensor_maps, monkeypatch):
+    """fa3_bundle opened by fagen.runtime, whose prepare() runs without a driver: cubins are not
+    handed to one, a device has the fake's 132 SMs, maps are recorded (recorded_tensor_maps)."""
+    from fagen.runtime import driver, load
+
+    monkeypatch.setattr(driver, "load_library", lambda image: None)
+    monkeypatch.setattr(driver, "multiprocessor_count", lambda ordinal: 132)
+    return load(fa3_bundle)
+
+
+def padded(address: int, seqlen: int, heads: int, pad: int = 0):
+    """A (batch, seqlen, heads, HEAD_DIM) tensor whose rows are `pad` elements apart (0: contiguous)."""
+    from fagen.runtime.call import Tensor
+
+    row = heads * HEAD_DIM + pad
+    return Tensor(address, seqlen * row, row, HEAD_DIM)
+
+
+def cli_call(problem, tensors: dict, descales=None, **fields) -> list[str]:
+    """open_bundle --call's NAME=VALUE pairs for a call of `problem` on `tensors` (q, k, v, out;
+    a contiguous one by its address alone, so fagen.hpp's default strides are the ones used)."""
+    from fagen.runtime.call import Tensor
+
+    shapes = {"q": (problem.seqlen_q, problem.heads_q), "k": (problem.seqlen_k, problem.heads_kv),
+              "v": (problem.seqlen_k, problem.heads_kv), "out": (problem.seqlen_q, problem.heads_q)}
+    pairs = {"dtype": problem.dtype, "causal": int(problem.causal), "batch": problem.batch,
+             "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "heads_q": problem.heads_q,
+             "heads_kv": problem.heads_kv, "head_dim": problem.head_dim, "lse": LSE}
+    for name, t in tensors.items():
+        contiguous = t == Tensor.contiguous(t.data, *shapes[name], problem.head_dim)
+        pairs[name] = t.data if contiguous else f"{t.data}:{t.batch_stride}:{t.row_stride}:{t.head_stride}"
+    for tensor in "qkv" if descales else "":
+        address, batch_stride, head_stride = (getattr(descales, tensor + suffix)
+                                              for suffix in ("", "_batch_stride", "_head_stride"))
+        if address or batch_stride or head_stride:
+            pairs[f"descale_{tensor}"] = f"{address}:{batch_stride}:{head_stride}"
+    pairs.update(fields)
+    return [f"{name}={value}" for name, value in pairs.items()]
+
+
+def parse_record(stdout: str) -> tuple[list[dict], tuple, bytes | None, str]:
+    """The fake driver's record (maps, launch grid, FagenFwdParams bytes) and the call's last line."""
+    maps, grid, params = [], None, None
+    lines = stdout.splitlines()
+    for line in lines[:-1]:
+        kind, *fields = line.split()
+        values = dict(field.split("=", 1) for field in fields) if kind != "params" else {}
+        if kind == "map":
+            maps.append({key: tuple(int(x) for x in value.split(",")) if "," in value else int(value)
+                         for key, value in values.items()})
+        elif kind == "launch":
+            grid = tuple(int(x) for x in values["grid"].split(","))
+        elif kind == "params":
+            params = bytes.fromhex(fields[0])
+    return maps, grid, params, lines[-1] if lines else ""
+
+
+def forward_calls():
+    """(problem, tensors, descales, compute capability) of the forward calls held to Python's."""
+    from fagen.runtime.call import Problem, Tensor
+
+    e4m3_problem = Problem("e4m3", True, BATCH, SEQLEN_Q, SEQLEN_K, HEADS_Q, HEADS_KV, HEAD_DIM)
+    contiguous = {"q": padded(1 << 20, SEQLEN_Q, HEADS_Q), "k": padded(2 << 20, SEQLEN_K, HEADS_KV),
+                  "v": padded(3 << 20, SEQLEN_K, HEADS_KV), "out": padded(4 << 20, SEQLEN_Q, HEADS_Q)}
+    # Strides of whole 16-byte vectors of each tensor's element (16 e4m3 ones, 8 of the bf16
+    # output), none of them the contiguous ones.
+    e4m3_strided = {"q": padded(1 << 20, SEQLEN_Q, HEADS_Q, 16), "k": padded(2 << 20, SEQLEN_K, HEADS_KV, 48),
+                    "v": Tensor(3 << 20, SEQLEN_K * 512, 512, 256), "out": padded(4 << 20, SEQLEN_Q, HEADS_Q, 8)}
+    bf16_strided = {**e4m3_strided, "q": padded(1 << 20, SEQLEN_Q, HEADS_Q, 8)}
+    per_kv_head = e4m3.Descales(q=DESCALE, k=DESCALE + 64, v=DESCALE + 128, q_batch_stride=HEADS_KV, q_head_stride=1,
+                                k_batch_stride=HEADS_KV, k_head_stride=1)
+    return {
+        "e4m3-descales-per-kv-head": (e4m3_problem, contiguous, per_kv_head, (9, 0)),
+        "e4m3-without-descales": (e4m3_problem, contiguous, None, (9, 0)),
+        "e4m3-strided-one-descale": (e4m3_problem, e4m3_strided, e4m3.Descales(v=DESCALE), (9, 0)),
+        "bf16-fa3-strided": (dataclasses.replace(e4m3_problem, dtype="bf16"), bf16_strided, None, (9, 0)),
+        "fp16-fa2": (dataclasses.replace(e4m3_problem, dtype="fp16"), contiguous, None, (8, 0)),
+    }
+
+
+@pytest.mark.parametrize("case", forward_calls())
+def test_cpp_forward_launches_as_python_prepares(fa3_programs, python_calls, recorded_tensor_maps, case):
+    """Bundle::attention and fagen.runtime.call.prepare on the same call: the same FagenFwdParams
+    field by field (an e4m3 call's descales, its bf16 output's strides), grid and TMA maps (e4m3:
+    UINT8 in boxes of 128 columns); fp16 and bf16 calls as before e4m3 existed."""
+    from fagen.runtime import driver
+    from fagen.runtime.call import prepare
+
+    problem, tensors, descales, cc = forward_calls()[case]
+    entry = python_calls.select(problem.key, cc, problem.seqlen_k)
+    prepared = prepare(python_calls, problem, *tensors.values(), softmax_scale=0.1, entry=entry, descales=descales)
+    expected = abi.FwdParams.from_buffer_copy(prepared.params)
+    expected.o, expected.lse = tensors["out"].data, LSE  # what launch() adds
+
+    open_bundle, _, driver_dir = fa3_programs
+    result = run(open_bundle, "--call", python_calls.path, "forward", *cli_call(problem, tensors, descales, scale=0.1),
+                 driver_dir=driver_dir, cc=cc, record=True)
+    assert result.returncode == 0, result.stderr
+    maps, grid, params, last = parse_record(result.stdout)
+    assert last == "ok"
+    assert grid == prepared.grid
+    got = abi.FwdParams.from_buffer_copy(params)
+    for field, _ in abi.FwdParams._fields_:
+        assert getattr(got, field) == getattr(expected, field), field
+    assert maps == recorded_tensor_maps  # q, k, v in order; none without TMA
+    if problem.dtype == "e4m3":  # bytes, in boxes of 128 of them
+        uint8 = int(driver.cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
+        assert {m["data_type"] for m in maps} == {uint8} and {m["box"][0] for m in maps} == {128}
+
+
+def refused_calls():
+    """(entry point, problem, tensors, descales, --call's extra fields, Python's refusal of the
+    same call) of calls fagen.hpp must refuse with Python's message."""
+    from fagen.runtime import call
+    from fagen.runtime.call import Problem, ScoreTensors, Varlen
+
+    problem = Problem("e4m3", True, BATCH, SEQLEN_Q, SEQLEN_K, HEADS_Q, HEADS_KV, HEAD_DIM)
+    tensors = {"q": padded(1 << 20, SEQLEN_Q, HEADS_Q), "k": padded(2 << 20, SEQLEN_K, HEADS_KV),
+               "v": padded(3 << 20, SEQLEN_K, HEADS_KV), "out": padded(4 << 20, SEQLEN_Q, HEADS_Q)}
+    bf16 = dataclasses.replace(problem, dtype="bf16")
+
+    def forward(problem, tensors=tensors, descales=None, **options):
+        return lambda bundle: call.prepare(bundle, problem, *tensors.values(), descales=descales,
+                                           entry=bundle.select(f"fwd/{problem.dtype}/hd128/causal", (9, 0)), **options)
+
+    def backward(problem):
+        t = call.BackwardTensors(**tensors, dout=tensors["out"], dq=tensors["q"], dk=tensors["k"], dv=tensors["v"],
+                                 lse=LSE)
+        return lambda bundle: call.attention_backward(bundle, problem, t, workspace=LSE)
+
+    descale_on_bf16 = e4m3.Descales(v=DESCALE)
+    return {
+        "softcap": ("forward", problem, tensors, None, {"softcap": 30},
+                    forward(dataclasses.replace(problem, score=contract.Score(softcap=30.0)))),
+        "alibi-sinks": ("forward", problem, tensors, None, {"alibi": ARRAY, "sinks": ARRAY + 256},
+                        forward(dataclasses.replace(problem, score=contract.Score(alibi=True, sinks=True)),
+                                score_tensors=ScoreTensors(alibi_slopes=ARRAY, sinks=ARRAY + 256))),
+        "mask-mod": ("forward", problem, tensors, None, {"causal": 0, "mask_mod": "document"},
+                     forward(dataclasses.replace(problem, causal=False, mask_mod="document"))),
+        "varlen": ("forward", problem, tensors, None, {"varlen": 1},
+                   forward(dataclasses.replace(problem, layout="varlen"),
+                           varlen=Varlen(4096, 8192, BATCH * SEQLEN_Q, BATCH * SEQLEN_K))),
+        "descales-on-bf16": ("forward", bf16, tensors, descale_on_bf16, {}, forward(bf16, descales=descale_on_bf16)),
+        "misaligned-descale": ("forward", problem, tensors, e4m3.Descales(k=DESCALE + 2), {},
+                               forward(problem, descales=e4m3.Descales(k=DESCALE + 2))),
+        "negative-descale-stride": ("forward", problem, tensors, e4m3.Descales(q=DESCALE, q_head_stride=-1), {},
+                                    forward(problem, descales=e4m3.Descales(q=DESCALE, q_head_stride=-1))),
+        "q-strides-of-8-e4m3": ("forward", problem, {**tensors, "q": padded(1 << 20, SEQLEN_Q, HEADS_Q, 8)}, None, {},
+                                forward(problem, {**tensors, "q": padded(1 << 20, SEQLEN_Q, HEADS_Q, 8)})),
+        "out-strides-of-4-bf16": ("forward", problem, {**tensors, "out": padded(4 << 20, SEQLEN_Q, HEADS_Q, 4)}, None,
+                                  {}, forward(problem, {**tensors, "out": padded(4 << 20, SEQLEN_Q, HEADS_Q, 4)})),
+        "backward": ("backward", problem, tensors, None, {}, backward(problem)),
+        "semaphore-bytes": ("semaphores", problem, tensors, None, {}, backward(problem)),
+        "kvcache": ("kvcache", problem, tensors, None, {},
+                    lambda bundle: call.check_problem(dataclasses.replace(problem, layout="paged"))),
+        "descales-on-bf16-backward": ("backward", bf16, tensors, descale_on_bf16, {},
+                                      lambda bundle: call._check_descales(bf16, descale_on_bf16)),
+    }
+
+
+@pytest.mark.parametrize("case", refused_calls())
+def test_cpp_refuses_the_calls_python_refuses(fa3_programs, python_calls, case):
+    """e4m3 backward, KV-cache, varlen calls, e4m3 with score modifiers or a custom mask, descales
+    on other dtypes or malformed, strides of another element's rule: each refused by fagen.hpp's
+    entry point with fagen.runtime's message, nothing launched."""
+    from fagen.runtime.call import AttentionError
+
+    entry_point, problem, tensors, descales, fields, python_call = refused_calls()[case]
+    with pytest.raises(AttentionError) as refusal:
+        python_call(python_calls)
+    open_bundle, _, driver_dir = fa3_programs
+    result = run(open_bundle, "--call", python_calls.path, entry_point, *cli_call(problem, tensors, descales, **fields),
+                 driver_dir=driver_dir, record=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"error: fagen: {refusal.value}"]  # and no map or launch recorded
+
+
+@pytest.mark.parametrize("args", [
+    ["--dtype", "e4m3", "--head-dim", "128", "--causal"],
+    ["--dtype", "e4m3", "--head-dim", "128", "--causal", "--seqlen-q", "1", "--seqlen-k", "1000", "--heads-q", "3",
+     "--heads-kv", "1"],
+    ["--dtype", "bf16", "--head-dim", "128", "--causal"],
+], ids=["e4m3-causal-gqa", "e4m3-one-query-mqa", "bf16-fa3"])
+def test_example_runs_fa3_kernels_on_fake_driver(fa3_programs, fa3_bundle, tmp_path, args):
+    """fagen_attention through the FA3 stand-ins (TMA maps, a persistent grid): e4m3 inputs with
+    their descales, a bf16 output, checked against the CPU reference on the dequantised inputs
+    (the fake computes without rounding P, so this checks the plumbing, not the tolerance)."""
+    _, example, driver_dir = fa3_programs
+    result = run(example, "--bundle", fa3_bundle, *args, "--dump", tmp_path, driver_dir=driver_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
+    problem = json.loads((tmp_path / "problem.json").read_text())
+    element = contract.DTYPE_BYTES[problem["dtype"]]
+    q_elements = problem["batch"] * problem["seqlen_q"] * problem["heads_q"] * problem["head_dim"]
+    assert (tmp_path / "q.bin").stat().st_size == element * q_elements
+    assert (tmp_path / "out.bin").stat().st_size == 2 * q_elements  # bf16 for e4m3 inputs
+    if problem["dtype"] == "e4m3":
+        assert len(problem["descales"]) == 3 and all(d > 0 for d in problem["descales"])
+        assert "descales q" in result.stdout and "bf16 output" in result.stdout
+    else:
+        assert problem["descales"] == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backward"], "--backward: fagen's e4m3 kernels are forward kernels"),
+    (["--softcap", "30"], "the e4m3 kernels take no score modifier (softcap asked for"),
+    (["--varlen"], "the e4m3 kernels take the dense layout, not 'varlen'"),
+])
+def test_example_refuses_what_e4m3_cannot_run(fa3_programs, fa3_bundle, args, message):
+    _, example, driver_dir = fa3_programs
+    result = run(example, "--bundle", fa3_bundle, "--dtype", "e4m3", "--head-dim", "128", "--causal", *args,
+                 driver_dir=driver_dir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+
+
+def test_example_e4m3_conversions_match_torch(tmp_path):
+    """examples/cpp/elements.hpp's e4m3 <-> fp32 against torch.float8_e4m3fn: every encoding
+    decoded, and values, the midpoints between neighbours (ties to even) and random ones encoded
+    (past 448 saturating, where torch's cast gives NaN)."""
+    torch = pytest.importorskip("torch")
+    program = tmp_path / "e4m3_elements"
+    built = subprocess.run([CXX, "-std=c++17", "-O1", *WARNINGS, f"-I{REPO / 'examples' / 'cpp'}",
+                            str(CPP_TESTS / "e4m3_elements.cpp"), "-o", str(program)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    decoded = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = sorted(set(decoded[decoded.isfinite()].tolist()))
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.tensor(finite + [(a + b) / 2 for a, b in zip(finite, finite[1:])] + [447.9, 464.0, 1e6, -1e6, 1e-10]
+                          + (torch.randn(2000, generator=generator) * torch.logspace(-3, 2, 2000)).tolist())
+    result = subprocess.run([str(program), *(repr(x) for x in inputs.tolist())], capture_output=True, text=True,
+                            check=True)
+    lines = result.stdout.split()
+    got_decoded = torch.tensor([float(x) for x in lines[:256]])
+    assert torch.equal(got_decoded.isnan(), decoded.isnan())
+    assert torch.equal(got_decoded[~decoded.isnan()], decoded[~decoded.isnan()])
+    expected = inputs.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert [int(x) for x in lines[256:]] == expected.tolist()

@@ -1,7 +1,9 @@
 """examples/cpp on the GPU: build it against the bundle under test, run it on random inputs with
 --dump, and hold its output to the rule of DESIGN.md (max error at most 2x that of plain torch in
-the low precision, against an fp32 reference), next to fagen.torch.flash_attn_func on the same
-inputs. Skips without a GPU, cmake/g++ or a bundle; needs no pydantic."""
+the low precision, against an fp32 reference; e4m3: tests/gpu/test_fp8.py's bar, 2x the error of
+an emulation of the kernel's FP8 steps against fp64 on the dequantised inputs), next to
+fagen.torch.flash_attn_func on the same inputs. Skips without a GPU, cmake/g++ or a bundle;
+needs no pydantic."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from attention_reference import Mods, attention_math, math_grads  # noqa: E402
 from test_fa2_fwd import EVERY_KERNEL_WINDOW  # noqa: E402
+from test_fp8 import E4M3, LSE_ATOL, OUT_ATOL, dequantise, emulate, reference  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
 from fagen.torch import flash_attn_func  # noqa: E402
@@ -69,12 +72,13 @@ def example(bundle, tmp_path_factory):
     return build / "fagen_attention"
 
 
-def runnable_keys(bundle, direction: str = "fwd", layout: str = "dense") -> list[str]:
-    """The keys of `direction` and `layout` that run on this GPU (the example calls the dense
-    and, with --varlen, the varlen layout; decode_paged.cpp the paged one)."""
+def runnable_keys(bundle, direction: str = "fwd", layout: str = "dense", dtypes=tuple(DTYPES)) -> list[str]:
+    """The keys of `direction`, `layout` and one of `dtypes` that run on this GPU (the example
+    calls the dense and, with --varlen, the varlen layout; decode_paged.cpp the paged one)."""
     cc = torch.cuda.get_device_capability()
     keys = sorted({e.key for e in bundle.kernels if e.key.startswith(f"{direction}/")
-                   and contract.KernelKey.parse(e.key).layout == layout})
+                   and contract.KernelKey.parse(e.key).layout == layout
+                   and contract.KernelKey.parse(e.key).dtype in dtypes})
     runnable = []
     for key in keys:
         try:
@@ -83,7 +87,7 @@ def runnable_keys(bundle, direction: str = "fwd", layout: str = "dense") -> list
             continue
         runnable.append(key)
     if not runnable:
-        pytest.skip(f"the bundle has no {direction} kernel for compute capability {cc[0]}.{cc[1]}")
+        pytest.skip(f"the bundle has no {direction} {'/'.join(dtypes)} kernel for compute capability {cc[0]}.{cc[1]}")
     return runnable
 
 
@@ -167,6 +171,50 @@ def test_cpp_example_matches_reference_and_torch(bundle, example, tmp_path, size
         if finite.any():
             lse_gap = (lse_cpp - lse_torch)[finite].abs().max().item()
             assert lse_gap <= 1e-3, f"{context}: LSE differs by {lse_gap:.3e}"
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_cpp_example_e4m3_matches_reference_and_torch(bundle, example, tmp_path, size):
+    """--dtype e4m3: the example quantises q, k, v with one descale each and runs the FP8 forward
+    through Bundle::attention with its descales; its bf16 output is held to test_fp8.py's bar
+    (fp64 attention over the dequantised inputs; 2x the larger error of the two emulations of
+    the kernel's FP8 steps, plus an ulp of bf16) and to flash_attn_func's FP8 forward on the same
+    stored values and descales."""
+    cc = torch.cuda.get_device_capability()
+    for seed, key in enumerate(runnable_keys(bundle, "fwd", "dense", ("e4m3",))):
+        dump = tmp_path / key.replace("/", "_") / "x".join(map(str, size))
+        dump.mkdir(parents=True)
+        problem = run_example(example, key, size, seed, dump)
+        selected = bundle.select(key, cc, problem["seqlen_k"])
+        assert problem["kernel"] == selected.name, "C++ and Python selected different kernels"
+        batch, seqlen_q, seqlen_k = problem["batch"], problem["seqlen_q"], problem["seqlen_k"]
+        heads_q, heads_kv, head_dim = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+        causal, scale, window = problem["causal"], problem["softmax_scale"], tuple(problem["window_size"])
+        q8 = read_dump(dump, "q", (batch, seqlen_q, heads_q, head_dim), torch.uint8).view(E4M3)
+        k8 = read_dump(dump, "k", (batch, seqlen_k, heads_kv, head_dim), torch.uint8).view(E4M3)
+        v8 = read_dump(dump, "v", (batch, seqlen_k, heads_kv, head_dim), torch.uint8).view(E4M3)
+        out_cpp = read_dump(dump, "out", (batch, seqlen_q, heads_q, head_dim), torch.bfloat16)
+        lse_cpp = read_dump(dump, "lse", (batch, heads_q, seqlen_q), torch.float32)
+        descales = [torch.tensor([d], device="cuda") for d in problem["descales"]]  # one per tensor, (1,)
+
+        out_torch, lse_torch = flash_attn_func(q8, k8, v8, causal=causal, window_size=window, softmax_scale=scale,
+                                               q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                                               return_lse=True, bundle=bundle)
+        ref, _ = reference(*(dequantise(x8, d) for x8, d in zip((q8, k8, v8), descales)), causal, scale, window)
+        floor = max((emu.double() - ref).abs().max().item()
+                    for emu, _ in (emulate(q8, k8, v8, descales, causal, scale, window, tc) for tc in (False, True)))
+        cpp_error = (out_cpp.double() - ref).abs().max().item()
+        between = (out_cpp.double() - out_torch.double()).abs().max().item()
+        context = (f"{key} {size}: C++ {cpp_error:.3e}, FP8 emulation {floor:.3e}, "
+                   f"C++ vs flash_attn_func {between:.3e}")
+        assert not out_cpp.isnan().any(), f"{context}: C++ output has NaN (unwritten elements)"
+        assert cpp_error <= 2 * floor + OUT_ATOL, context
+        assert between <= 2 * floor + OUT_ATOL, context
+        assert torch.equal(torch.isfinite(lse_cpp), torch.isfinite(lse_torch)), f"{context}: LSE -inf rows differ"
+        finite = torch.isfinite(lse_torch)
+        if finite.any():
+            lse_gap = (lse_cpp - lse_torch)[finite].abs().max().item()
+            assert lse_gap <= LSE_ATOL, f"{context}: LSE differs by {lse_gap:.3e}"
 
 
 @pytest.mark.parametrize("layout", ("dense", "varlen"))

@@ -383,9 +383,36 @@ inline bool preferred_over(const FagenKernelInfo& a, const FagenKernelInfo& b, l
     return seqlen_fit(a, seqlen_k) > seqlen_fit(b, seqlen_k);
 }
 
-enum class DType { fp16, bf16 };
+// The element types of q, k and v, in the order of contract.h's FAGEN_DTYPE_NAMES (its tables
+// are indexed by them). e4m3 (OCP FP8, flash-attn's float8_e4m3fn; forward only) comes with
+// descales (Attention::descales) and writes its output in bf16 (output_dtype).
+enum class DType { fp16, bf16, e4m3 };
 
-inline const char* dtype_name(DType dtype) { return dtype == DType::bf16 ? "bf16" : "fp16"; }
+namespace detail {
+inline constexpr const char* kDTypeNames[] = FAGEN_DTYPE_NAMES;
+inline constexpr int kDTypeBytes[] = FAGEN_DTYPE_BYTES;
+inline constexpr int kOutputDTypes[] = FAGEN_OUTPUT_DTYPES;
+inline constexpr int kStrideMultiples[] = FAGEN_DTYPE_STRIDE_MULTIPLES;
+inline constexpr int kTmaBoxColumns[] = FAGEN_DTYPE_TMA_BOX_COLUMNS;
+constexpr bool same_text(const char* a, const char* b) { return *a == *b && (*a == '\0' || same_text(a + 1, b + 1)); }
+}  // namespace detail
+
+static_assert(std::size(detail::kDTypeNames) == 3 && detail::same_text(detail::kDTypeNames[int(DType::fp16)], "fp16") &&
+                  detail::same_text(detail::kDTypeNames[int(DType::bf16)], "bf16") &&
+                  detail::same_text(detail::kDTypeNames[int(DType::e4m3)], "e4m3"),
+              "fagen: DType's members must be contract.h's FAGEN_DTYPE_NAMES, in its order");
+
+// The name a kernel key spells (fagen/contract.py: DTYPES).
+inline const char* dtype_name(DType dtype) { return detail::kDTypeNames[static_cast<int>(dtype)]; }
+// Bytes of one element (contract.py: DTYPE_BYTES).
+inline int element_bytes(DType dtype) { return detail::kDTypeBytes[static_cast<int>(dtype)]; }
+// The element type a forward with inputs of `dtype` writes its output in (contract.py: output_dtype).
+inline DType output_dtype(DType dtype) { return static_cast<DType>(detail::kOutputDTypes[static_cast<int>(dtype)]); }
+// A tensor of `dtype` has strides that are multiples of this many elements, 16 bytes
+// (contract.py: stride_multiple).
+inline int stride_multiple(DType dtype) { return detail::kStrideMultiples[static_cast<int>(dtype)]; }
+// Columns of a TMA box of `dtype`: one 128-byte swizzle row (contract.py: tma_box_columns).
+inline int tma_box_columns(DType dtype) { return detail::kTmaBoxColumns[static_cast<int>(dtype)]; }
 
 // Lookup key of a forward kernel, e.g. "fwd/bf16/hd128/causal" (contract.h's kernel_key);
 // variant: a mask of FAGEN_MASK_NAMES, with the score modifiers (contract.h's variant_name);
@@ -504,21 +531,71 @@ struct Strides {
     }
 };
 
-// The rules of params.h for one tensor, as fagen/runtime/call.py's _check_tensor (the same
-// results and messages; tests/compile/test_cpp_loader.py holds them to each other): a non-null,
-// 16-byte aligned pointer; strides that are non-negative multiples of 8 elements; a tensor map
-// (a TMA kernel's input) cannot describe a broadcast (stride 0) dimension.
-inline Status tensor_status(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
+// The rules of params.h for one tensor of `dtype` elements, as fagen/runtime/call.py's
+// _check_tensor (the same results and messages; tests/compile/test_cpp_loader.py holds them to
+// each other): a non-null, 16-byte aligned pointer; strides that are non-negative multiples of
+// 16 bytes (stride_multiple: 8 fp16/bf16 elements, 16 e4m3 ones); a tensor map (a TMA kernel's
+// input) cannot describe a broadcast (stride 0) dimension.
+inline Status tensor_status(const char* name, CUdeviceptr data, const Strides& s, bool tma, DType dtype = DType::bf16) {
     if (data == 0 || data % FAGEN_ALIGNMENT_BYTES != 0) {
         return Status::error(std::string("fagen: ") + name + " must be a non-null, " +
                              std::to_string(FAGEN_ALIGNMENT_BYTES) + "-byte aligned device pointer");
     }
+    const int multiple = stride_multiple(dtype);
     for (long long stride : {s.batch, s.row, s.head}) {
-        if (stride % FAGEN_STRIDE_MULTIPLE != 0 || stride < 0 || (tma && stride == 0)) {
+        if (stride % multiple != 0 || stride < 0 || (tma && stride == 0)) {
             return Status::error(std::string("fagen: ") + name + " strides (" + std::to_string(s.batch) + ", " +
                                  std::to_string(s.row) + ", " + std::to_string(s.head) + ") must be multiples of " +
-                                 std::to_string(FAGEN_STRIDE_MULTIPLE) + " elements" +
-                                 (tma ? " and non-zero (TMA kernel)" : ""));
+                                 std::to_string(multiple) + " elements" + (tma ? " and non-zero (TMA kernel)" : ""));
+        }
+    }
+    return Status();
+}
+
+// An e4m3 call's descales (flash-attn's q_descale, k_descale, v_descale; fagen/runtime/e4m3.py:
+// Descales): fp32 device arrays of the factors that turn the stored e4m3 elements back into the
+// values they stand for, each read at [b * batch_stride + kv_head * head_stride] (kv_head: the K/V
+// head a query head reads, for q's too, as flash-attn's (batch, heads_kv) descales; strides in
+// floats, 0 gives every index the same value); an address of 0 is a descale of 1.0. The kernels
+// take scores = q_descale * k_descale * softmax_scale * Q K^T and out = v_descale * P V of the
+// stored values (params.h: FagenFwdParams q_descale ...). All 0, the default, is none.
+struct Descales {
+    CUdeviceptr q = 0, k = 0, v = 0;
+    long long q_batch_stride = 0, q_head_stride = 0;
+    long long k_batch_stride = 0, k_head_stride = 0;
+    long long v_batch_stride = 0, v_head_stride = 0;
+
+    bool empty() const {
+        return q == 0 && k == 0 && v == 0 && q_batch_stride == 0 && q_head_stride == 0 && k_batch_stride == 0 &&
+               k_head_stride == 0 && v_batch_stride == 0 && v_head_stride == 0;
+    }
+};
+
+// Why a call of element `dtype` cannot take `descales` (fagen/runtime/e4m3.py: descales_problem,
+// the same messages): only e4m3 calls have descales (an empty Descales is none); an address must
+// be 4-byte aligned (an fp32 array), a stride >= 0.
+inline Status descales_status(DType dtype, const Descales& descales) {
+    if (descales.empty()) return Status();
+    if (dtype != DType::e4m3) {
+        return Status::error(std::string("fagen: descales: for e4m3 problems only; a ") + dtype_name(dtype) +
+                             " problem's elements are its values (give the call no descales)");
+    }
+    const std::tuple<const char*, CUdeviceptr, long long, long long> tensors[] = {
+        {"q", descales.q, descales.q_batch_stride, descales.q_head_stride},
+        {"k", descales.k, descales.k_batch_stride, descales.k_head_stride},
+        {"v", descales.v, descales.v_batch_stride, descales.v_head_stride}};
+    for (const auto& [name, address, batch_stride, head_stride] : tensors) {
+        if (address % 4 != 0) {
+            char hex[32];
+            std::snprintf(hex, sizeof hex, "%#llx", static_cast<unsigned long long>(address));
+            return Status::error(std::string("fagen: descales.") + name + "=" + hex +
+                                 ": a 4-byte aligned fp32 device array, or 0 for a descale of 1.0");
+        }
+        for (const auto& [dim, stride] : {std::pair<const char*, long long>{"batch", batch_stride}, {"head", head_stride}}) {
+            if (stride < 0) {
+                return Status::error(std::string("fagen: descales.") + name + "_" + dim + "_stride=" +
+                                     std::to_string(stride) + ": must be >= 0 (in floats; 0 gives every index the same value)");
+            }
         }
     }
     return Status();
@@ -527,9 +604,10 @@ inline Status tensor_status(const char* name, CUdeviceptr data, const Strides& s
 // One attention forward in flash-attn's layout: q (batch, seqlen_q, heads_q, head_dim), k (batch,
 // seqlen_k, heads_kv, head_dim), v (batch, seqlen_k, heads_kv, head_dim_v), out (batch, seqlen_q,
 // heads_q, head_dim_v), optional lse (batch, heads_q, seqlen_q)
-// fp32, all device pointers. Strides default to contiguous. `causal` masks bottom-right aligned
-// (query row i sees keys j <= i + seqlen_k - seqlen_q); window_left / window_right are
-// flash-attn's window_size (call_mask; -1: unbounded); a row that sees no key gives zeros.
+// fp32, all device pointers; q, k, v of `dtype`, out of output_dtype(dtype). Strides (in elements
+// of each tensor's type) default to contiguous. `causal` masks bottom-right aligned (query row i
+// sees keys j <= i + seqlen_k - seqlen_q); window_left / window_right are flash-attn's
+// window_size (call_mask; -1: unbounded); a row that sees no key gives zeros.
 struct Attention {
     DType dtype = DType::bf16;
     bool causal = false;
@@ -567,6 +645,10 @@ struct Attention {
     // caps each sequence's keys (forward only).
     CUdeviceptr cu_seqlens_q = 0, cu_seqlens_k = 0, seqused_k = 0;
     long long total_q = 0, total_k = 0;
+    // dtype e4m3 only (forward, dense layout, the built-in masks, no score modifier): q's, k's and
+    // v's descales; none (the default): each 1.0. out is then bf16 (output_dtype), its strides in
+    // bf16 elements.
+    Descales descales;
 
     bool varlen() const { return cu_seqlens_k != 0; }
 
@@ -587,6 +669,37 @@ struct Attention {
 
     int value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
+
+// Why no e4m3 kernel serves a call of `a` in `direction` ("fwd" or "bwd") and `layout` (one of
+// FAGEN_LAYOUT_NAMES), fagen/runtime/e4m3.py's call_problem (the same messages); OK for another
+// dtype. Said before the kernel lookup, whose error would suggest a `fagen build` of a kernel
+// that the spec models refuse.
+inline Status e4m3_call_status(const Attention& a, const std::string& direction, const std::string& layout) {
+    if (a.dtype != DType::e4m3) return Status();
+    if (direction != "fwd") {
+        return Status::error("fagen: dtype e4m3: fagen's FP8 kernels are forward kernels; there is no e4m3 backward "
+                             "(train in fp16 or bf16)");
+    }
+    static const char* const layouts[] = FAGEN_LAYOUT_NAMES;
+    const std::string dense = layouts[0];
+    if (layout != dense) {
+        return Status::error("fagen: dtype e4m3: the e4m3 kernels take the " + dense + " layout, not '" + layout + "'");
+    }
+    // The call's modifiers as a key spells them after its mask ("+softcap+sinks"), as a list.
+    const std::string modifiers = variant_name("", a.softcap > 0, a.alibi_slopes != 0, a.sinks != 0);
+    if (!modifiers.empty()) {
+        std::string asked, every;
+        for (char c : modifiers.substr(1)) asked += c == '+' ? std::string(", ") : std::string(1, c);
+        for (const char* mod : FAGEN_SCORE_MOD_NAMES) every += (every.empty() ? "" : ", ") + std::string(mod);
+        return Status::error("fagen: dtype e4m3: the e4m3 kernels take no score modifier (" + asked +
+                             " asked for; fp16 and bf16 kernels take " + every + ")");
+    }
+    if (!a.mask_mod.empty()) {
+        return Status::error("fagen: dtype e4m3: the e4m3 kernels take the built-in masks only, not mask_mod='" +
+                             a.mask_mod + "'");
+    }
+    return Status();
+}
 
 class Bundle;
 
@@ -827,23 +940,24 @@ struct TensorMapArgs {
     CUtensorMapFloatOOBfill oob_fill = CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE;
 };
 
-// A tiled map of a (batch, seqlen, heads, head_dim) tensor of fp16/bf16 elements (boxes of
-// FAGEN_TMA_BOX_COLUMNS (64 columns, 128 bytes: the swizzle width) x box_rows), or with
-// `accumulator` of a backward's fp32 dQ accumulator (boxes of FAGEN_ACCUM_BOX_COLUMNS x
-// box_rows); 128-byte swizzle, out-of-bounds elements read as zeros.
+// A tiled map of a (batch, seqlen, heads, head_dim) tensor of `dtype` elements (boxes of
+// tma_box_columns(dtype) x box_rows: 128 bytes, the swizzle width; e4m3 as bytes, which TMA only
+// moves), or with `accumulator` of a backward's fp32 dQ accumulator (boxes of
+// FAGEN_ACCUM_BOX_COLUMNS x box_rows); 128-byte swizzle, out-of-bounds elements read as zeros.
 inline TensorMapArgs tensor_map_args(DType dtype, CUdeviceptr data, int batch, int seqlen, int heads, int head_dim,
                                      const Strides& strides, int box_rows, bool accumulator = false) {
-    const cuuint64_t element_bytes = accumulator ? FAGEN_ACCUM_BYTES : FAGEN_ELEMENT_BYTES;
+    const cuuint64_t bytes = accumulator ? FAGEN_ACCUM_BYTES : cuuint64_t(element_bytes(dtype));
     TensorMapArgs m;
     m.data_type = accumulator            ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                  : dtype == DType::e4m3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                   : dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     m.rank = 4;
     m.global_address = data;
     const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
-    const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * element_bytes, cuuint64_t(strides.head) * element_bytes,
-                                        cuuint64_t(strides.batch) * element_bytes};
-    const cuuint32_t box[4] = {cuuint32_t(accumulator ? FAGEN_ACCUM_BOX_COLUMNS : FAGEN_TMA_BOX_COLUMNS),
+    const cuuint64_t byte_strides[3] = {cuuint64_t(strides.row) * bytes, cuuint64_t(strides.head) * bytes,
+                                        cuuint64_t(strides.batch) * bytes};
+    const cuuint32_t box[4] = {cuuint32_t(accumulator ? FAGEN_ACCUM_BOX_COLUMNS : tma_box_columns(dtype)),
                                cuuint32_t(box_rows), 1, 1};
     for (int i = 0; i < 4; ++i) {
         m.global_dim[i] = dims[i];
@@ -999,6 +1113,7 @@ public:
     // the arguments, fills FagenFwdParams (and the TMA maps) and launches. Asynchronous.
     Status attention(const Attention& a, CUstream stream) {
         if (a.batch < 0 || a.seqlen_q < 0 || a.heads_q < 0) return Status::error("fagen: negative size in Attention");
+        if (Status s = check_element(a, "fwd", a.varlen() ? "varlen" : "dense"); !s.ok()) return s;
         if (a.batch == 0 || a.seqlen_q == 0 || a.heads_q == 0) return Status();
         if (a.seqlen_k <= 0 || a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0) {
             return Status::error("fagen: need seqlen_k >= 1 and heads_q (" + std::to_string(a.heads_q) +
@@ -1067,6 +1182,7 @@ public:
     // host, so a captured launch replays with new cache contents, lengths and block tables.
     Status attention_kvcache(const KvCacheAttention& a, CUstream stream) {
         if (a.batch < 0 || a.seqlen_q < 0 || a.heads_q < 0) return Status::error("fagen: negative size in KvCacheAttention");
+        if (Status s = check_element(a, "fwd", "paged"); !s.ok()) return s;
         if (a.batch == 0 || a.seqlen_q == 0 || a.heads_q == 0) return Status();
         if (a.seqlen_k <= 0 || a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0) {
             return Status::error("fagen: need a cache of seqlen_k >= 1 keys per row and heads_q (" +
@@ -1146,7 +1262,7 @@ public:
         const std::tuple<const char*, CUdeviceptr, const Strides*> outs[] = {
             {"out_a", m.out_a, &a}, {"out_b", m.out_b, &b}, {"out", m.out, &o}};
         for (const auto& [name, data, strides] : outs) {
-            if (Status s = tensor_status(name, data, *strides, false); !s.ok()) return s;
+            if (Status s = tensor_status(name, data, *strides, false, m.dtype); !s.ok()) return s;
         }
         if (m.lse_a == 0 || m.lse_b == 0 || m.lse_a % 4 != 0 || m.lse_b % 4 != 0 || m.lse % 4 != 0) {
             return Status::error("fagen: lse_a and lse_b (and lse, if given) must be 4-byte aligned fp32 arrays");
@@ -1187,6 +1303,7 @@ public:
         return sizeof(float) * static_cast<size_t>(workspace_layout(a).floats);
     }
     Result<size_t> backward_semaphore_bytes(const Attention& a) {
+        if (Status s = check_element(a, "bwd", a.varlen() ? "varlen" : "dense"); !s.ok()) return s;
         const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
         auto kernel = this->kernel(backward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
@@ -1200,6 +1317,7 @@ public:
     // the backward kernel, checks the arguments as attention() does, fills FagenBwdParams and
     // launches the three kernels.
     Status attention_backward(const AttentionBackward& a, CUstream stream) {
+        if (Status s = check_element(a, "bwd", a.varlen() ? "varlen" : "dense"); !s.ok()) return s;
         if (a.seqused_k != 0) return Status::error("fagen: seqused_k has no backward (give the keys by cu_seqlens_k)");
         if (Status s = check_varlen(a); !s.ok()) return s;
         if (a.batch <= 0 || a.seqlen_q <= 0 || a.heads_q <= 0 || a.seqlen_k <= 0 || a.heads_kv <= 0 ||
@@ -1246,7 +1364,7 @@ public:
         for (const auto& [name, data, strides, loaded] : tensors) {
             Strides checked = strides;
             if (a.varlen()) checked.batch = checked.row;  // a packed tensor has no batch stride to check
-            if (Status s = check_tensor(name, data, checked, tma && loaded); !s.ok()) return s;
+            if (Status s = check_tensor(name, data, checked, tma && loaded, a.dtype); !s.ok()) return s;
         }
         float* workspace = reinterpret_cast<float*>(a.workspace);
         FagenBwdParams p{};
@@ -1407,8 +1525,8 @@ private:
         }
         const Strides k = a.k_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.head_dim));
         const Strides v = a.v_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.value_dim()));
-        if (Status s = tensor_status("k_new", a.k_new, k, false); !s.ok()) return s;
-        if (Status s = tensor_status("v_new", a.v_new, v, false); !s.ok()) return s;
+        if (Status s = tensor_status("k_new", a.k_new, k, false, a.dtype); !s.ok()) return s;
+        if (Status s = tensor_status("v_new", a.v_new, v, false, a.dtype); !s.ok()) return s;
         p.k_new = reinterpret_cast<const void*>(a.k_new);
         p.v_new = reinterpret_cast<const void*>(a.v_new);
         p.k_new_batch_stride = k.batch, p.k_new_row_stride = k.row, p.k_new_head_stride = k.head;
@@ -1497,20 +1615,30 @@ private:
         return Status();
     }
 
-    // q, k, v and out of a forward (a varlen call's packed tensors have no batch stride to check).
+    // q, k, v (of the call's dtype, read by TMA in a TMA kernel) and out (of its output dtype)
+    // of a forward (a varlen call's packed tensors have no batch stride to check).
     static Status check_forward_tensors(const Attention& a, const Strides& q, const Strides& k, const Strides& v,
                                         const Strides& o, bool tma) {
-        const std::pair<const char*, std::pair<CUdeviceptr, Strides>> tensors[] = {
-            {"q", {a.q, q}}, {"k", {a.k, k}}, {"v", {a.v, v}}, {"out", {a.out, o}}};
-        for (const auto& [name, tensor] : tensors) {
-            Strides checked = tensor.second;
+        const std::tuple<const char*, CUdeviceptr, Strides, bool, DType> tensors[] = {
+            {"q", a.q, q, tma, a.dtype}, {"k", a.k, k, tma, a.dtype}, {"v", a.v, v, tma, a.dtype},
+            {"out", a.out, o, false, output_dtype(a.dtype)}};
+        for (const auto& [name, data, strides, loaded, dtype] : tensors) {
+            Strides checked = strides;
             if (a.varlen()) checked.batch = checked.row;
-            if (Status s = check_tensor(name, tensor.first, checked, tma); !s.ok()) return s;
+            if (Status s = check_tensor(name, data, checked, loaded, dtype); !s.ok()) return s;
         }
         return Status();
     }
 
-    // FagenFwdParams of a forward: the tensors, their strides and fill_problem's fields.
+    // The element's rules (fagen/runtime/e4m3.py): which e4m3 calls exist, and descales for e4m3
+    // calls only.
+    static Status check_element(const Attention& a, const char* direction, const char* layout) {
+        if (Status s = e4m3_call_status(a, direction, layout); !s.ok()) return s;
+        return descales_status(a.dtype, a.descales);
+    }
+
+    // FagenFwdParams of a forward: the tensors, their strides, an e4m3 call's descales and
+    // fill_problem's fields.
     static FagenFwdParams forward_params(const Attention& a, const Strides& q, const Strides& k, const Strides& v,
                                          const Strides& o, const KernelScale& scale, const CallMask& mask) {
         FagenFwdParams p{};
@@ -1523,6 +1651,13 @@ private:
         p.k_batch_stride = k.batch; p.k_row_stride = k.row; p.k_head_stride = k.head;
         p.v_batch_stride = v.batch; p.v_row_stride = v.row; p.v_head_stride = v.head;
         p.o_batch_stride = o.batch; p.o_row_stride = o.row; p.o_head_stride = o.head;
+        const Descales& d = a.descales;
+        p.q_descale = reinterpret_cast<const float*>(d.q);
+        p.k_descale = reinterpret_cast<const float*>(d.k);
+        p.v_descale = reinterpret_cast<const float*>(d.v);
+        p.q_descale_batch_stride = d.q_batch_stride; p.q_descale_head_stride = d.q_head_stride;
+        p.k_descale_batch_stride = d.k_batch_stride; p.k_descale_head_stride = d.k_head_stride;
+        p.v_descale_batch_stride = d.v_batch_stride; p.v_descale_head_stride = d.v_head_stride;
         fill_problem(p, a, scale, mask);
         return p;
     }
@@ -1548,8 +1683,8 @@ private:
         p.mask_args = reinterpret_cast<const void*>(a.mask_args);
     }
 
-    static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma) {
-        return tensor_status(name, data, s, tma);
+    static Status check_tensor(const char* name, CUdeviceptr data, const Strides& s, bool tma, DType dtype) {
+        return tensor_status(name, data, s, tma, dtype);
     }
 
     // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps): qkv_map_args's.

@@ -215,8 +215,10 @@ typedef struct FagenTensorMap {
 } FagenTensorMap;
 
 // The second parameter of the TMA kernels (FA3, FA4): tiled maps of Q, K and V over the 4-D
-// tensors (head_dim, seqlen, heads, batch), 128-byte swizzle, boxes of 64 columns and the
-// kernel's block_m (Q) or block_n (K, V) rows; the manifest's launch info gives the box rows.
+// tensors (head_dim, seqlen, heads, batch), 128-byte swizzle, boxes of one 128-byte row (64
+// fp16/bf16 columns, 128 e4m3) and the kernel's block_m (Q) or block_n (K, V) rows; the
+// manifest's launch info gives the box rows (a paged prefill's K/V: fagen/contract.py,
+// cache_box_rows).
 typedef struct FagenTmaMaps {
     FagenTensorMap q;
     FagenTensorMap k;

@@ -1,16 +1,28 @@
 // A stand-in libcuda.so.1 for CPU-only tests of fagen.hpp: "device" memory is host memory and a
-// "launch" runs a plain attention on the FagenFwdParams it is given, after checking the launch
-// configuration against the kernel's index.h row. A program that passes its own reference check
-// on top of this has filled the parameters (pointers, element strides, scale_log2, sizes) and the
-// grid the way the real kernels expect. Only what fagen.hpp and examples/cpp call exists.
+// "launch" runs a plain attention on the FagenFwdParams it is given (fp16, bf16, or e4m3 with its
+// descales and a bf16 output), after checking the launch configuration against the kernel's
+// index.h row; tensor maps encode to nothing (the fake launch reads the tensors directly). A
+// program that passes its own reference check on top of this has filled the parameters
+// (pointers, element strides, scale_log2, descales, sizes) and the grid the way the real kernels
+// expect. Only what fagen.hpp and examples/cpp call exists.
+//
+// With FAKE_RECORD set in the environment it runs nothing and prints, on stdout, the arguments of
+// each cuTensorMapEncodeTiled ("map data_type=... rank=... address=... dims=... strides=... box=...
+// element_strides=... interleave=... swizzle=... l2_promotion=... oob_fill=...") and of each
+// launch ("launch grid=X,Y,Z" and "params HEX", the FagenFwdParams bytes), for
+// tests/compile/test_cpp_loader.py to hold to fagen.runtime.call's.
 #include <cuda.h>
 
+#include <algorithm>
+#include <cinttypes>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "fagen/contract.h"
 #include "fagen/index.h"
 #include "fagen/params.h"
 
@@ -23,8 +35,23 @@ struct FakeKernel {
 
 FakeKernel kernels[FAGEN_KERNEL_COUNT];
 int fake_context = 1;
+constexpr int kFakeMultiprocessors = 132;  // an H100's SMs: the size of a persistent grid
 
-float load(const void* base, long long index, bool bf16) {
+bool recording() { return std::getenv("FAKE_RECORD") != nullptr; }
+
+// The element types of a kernel's q, k and v (its key's dtype); the output is bf16 for e4m3.
+enum class Element { fp16, bf16, e4m3 };
+
+float load_e4m3(const void* base, long long index) {
+    const uint8_t bits = static_cast<const uint8_t*>(base)[index];
+    const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;  // 0x7f, 0xff (NaN) never stored here
+    const float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -9) : std::ldexp(float(mantissa + 8), exponent - 10);
+    return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+float load(const void* base, long long index, Element element) {
+    if (element == Element::e4m3) return load_e4m3(base, index);
+    const bool bf16 = element == Element::bf16;
     uint16_t h;
     std::memcpy(&h, static_cast<const char*>(base) + 2 * index, 2);
     if (bf16) {
@@ -53,31 +80,41 @@ void store(void* base, long long index, float x, bool bf16) {
     std::memcpy(static_cast<char*>(base) + 2 * index, &h, 2);
 }
 
-void attention(const FagenFwdParams& p, bool bf16, bool causal, int head_dim) {
+// An e4m3 kernel's descale of batch row b and KV head h (params.h; null: 1).
+float descale(const float* values, long long batch_stride, long long head_stride, int b, int h) {
+    return values == nullptr ? 1.0f : values[b * batch_stride + h * head_stride];
+}
+
+void attention(const FagenFwdParams& p, Element element, bool causal, int head_dim) {
     const int group = p.heads_q / p.heads_kv;
+    const bool bf16_out = element != Element::fp16;
     float* scores = new float[p.seqlen_k];
     for (int b = 0; b < p.batch; ++b)
         for (int h = 0; h < p.heads_q; ++h)
             for (int i = 0; i < p.seqlen_q; ++i) {
+                const int kv_head = h / group;
+                const float score_descale = descale(p.q_descale, p.q_descale_batch_stride, p.q_descale_head_stride, b, kv_head) *
+                                            descale(p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride, b, kv_head);
+                const float value_descale = descale(p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride, b, kv_head);
                 const long long q_row = b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
                 const long long o_row = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
                 const int last = causal ? std::min(p.seqlen_k - 1, i + p.seqlen_k - p.seqlen_q) : p.seqlen_k - 1;
                 float top = -INFINITY, total = 0;
                 for (int j = 0; j <= last; ++j) {
-                    const long long k_row = b * p.k_batch_stride + j * p.k_row_stride + (h / group) * p.k_head_stride;
+                    const long long k_row = b * p.k_batch_stride + j * p.k_row_stride + kv_head * p.k_head_stride;
                     float dot = 0;
-                    for (int c = 0; c < head_dim; ++c) dot += load(p.q, q_row + c, bf16) * load(p.k, k_row + c, bf16);
-                    scores[j] = dot * p.scale_log2;
+                    for (int c = 0; c < head_dim; ++c) dot += load(p.q, q_row + c, element) * load(p.k, k_row + c, element);
+                    scores[j] = dot * score_descale * p.scale_log2;
                     top = std::fmax(top, scores[j]);
                 }
                 for (int j = 0; j <= last; ++j) total += (scores[j] = std::exp2(scores[j] - top));
                 for (int c = 0; c < head_dim; ++c) {
                     float acc = 0;
                     for (int j = 0; j <= last; ++j) {
-                        const long long v_row = b * p.v_batch_stride + j * p.v_row_stride + (h / group) * p.v_head_stride;
-                        acc += scores[j] * load(p.v, v_row + c, bf16);
+                        const long long v_row = b * p.v_batch_stride + j * p.v_row_stride + kv_head * p.v_head_stride;
+                        acc += scores[j] * load(p.v, v_row + c, element);
                     }
-                    store(p.o, o_row + c, last < 0 ? 0.0f : acc / total, bf16);
+                    store(p.o, o_row + c, last < 0 ? 0.0f : value_descale * acc / total, bf16_out);
                 }
                 if (p.lse) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] =
                     last < 0 ? -INFINITY : (top + std::log2(total)) / float(M_LOG2E);
@@ -92,6 +129,7 @@ CUresult device_get(CUdevice* device, int ordinal) { *device = ordinal; return o
 CUresult device_get_attribute(int* value, CUdevice_attribute attribute, CUdevice) {
     if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = std::atoi(std::getenv("FAKE_CC_MAJOR"));
     else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = std::atoi(std::getenv("FAKE_CC_MINOR"));
+    else if (attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) *value = kFakeMultiprocessors;
     else return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
@@ -124,21 +162,48 @@ CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction function, voi
     const FakeKernel& kernel = *reinterpret_cast<FakeKernel*>(function);
     const FagenKernelInfo& info = *kernel.info;
     const FagenFwdParams& p = *static_cast<const FagenFwdParams*>(params[0]);
+    // The grid of a tiles or persistent launch (the shapes forwards on this fake take).
+    const long long tiles = (p.seqlen_q + info.block_m - 1) / info.block_m;
+    const bool persistent = info.grid == FAGEN_GRID_PERSISTENT;
+    const long long grid_x = persistent ? std::min<long long>(tiles * p.heads_q * p.batch, kFakeMultiprocessors) : tiles;
     const bool launch_ok = current != nullptr && int(config->sharedMemBytes) == info.dynamic_smem &&
                            kernel.max_dynamic_smem >= info.dynamic_smem && int(config->blockDimX) == info.threads &&
-                           config->blockDimY == 1 && config->blockDimZ == 1 &&
-                           int(config->gridDimX) == (p.seqlen_q + info.block_m - 1) / info.block_m &&
-                           int(config->gridDimY) == p.heads_q && int(config->gridDimZ) == p.batch;
+                           config->blockDimY == 1 && config->blockDimZ == 1 && static_cast<long long>(config->gridDimX) == grid_x &&
+                           int(config->gridDimY) == (persistent ? 1 : p.heads_q) &&
+                           int(config->gridDimZ) == (persistent ? 1 : p.batch);
     if (!launch_ok) return CUDA_ERROR_INVALID_VALUE;
+    if (recording()) {
+        std::printf("launch grid=%u,%u,%u\nparams ", config->gridDimX, config->gridDimY, config->gridDimZ);
+        for (size_t i = 0; i < sizeof(FagenFwdParams); ++i) std::printf("%02x", static_cast<const unsigned char*>(params[0])[i]);
+        std::printf("\n");
+        return CUDA_SUCCESS;
+    }
     const std::string key = info.key;
     const int head_dim = std::atoi(key.c_str() + key.find("/hd") + 3);
-    attention(p, key.find("/bf16/") != std::string::npos, key.find("/causal") != std::string::npos, head_dim);
+    const Element element = key.find("/e4m3/") != std::string::npos   ? Element::e4m3
+                            : key.find("/bf16/") != std::string::npos ? Element::bf16
+                                                                      : Element::fp16;
+    attention(p, element, key.find("/causal") != std::string::npos, head_dim);
     return CUDA_SUCCESS;
 }
-CUresult tensor_map_encode_tiled(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
-    return CUDA_ERROR_NOT_SUPPORTED;
+CUresult tensor_map_encode_tiled(CUtensorMap*, CUtensorMapDataType data_type, cuuint32_t rank, void* address,
+                                 const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                                 const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                 CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
+                                 CUtensorMapFloatOOBfill oob_fill) {
+    if (!recording()) return CUDA_SUCCESS;
+    const auto list = [](const auto* values, unsigned count) {
+        std::string text;
+        for (unsigned i = 0; i < count; ++i) text += (i ? "," : "") + std::to_string(values[i]);
+        return text;
+    };
+    std::printf("map data_type=%d rank=%u address=%" PRIuPTR " dims=%s strides=%s box=%s element_strides=%s "
+                "interleave=%d swizzle=%d l2_promotion=%d oob_fill=%d\n",
+                static_cast<int>(data_type), static_cast<unsigned>(rank), reinterpret_cast<uintptr_t>(address),
+                list(dims, rank).c_str(), list(strides, rank - 1).c_str(), list(box, rank).c_str(),
+                list(element_strides, rank).c_str(), static_cast<int>(interleave), static_cast<int>(swizzle),
+                static_cast<int>(l2_promotion), static_cast<int>(oob_fill));
+    return CUDA_SUCCESS;
 }
 CUresult mem_alloc(CUdeviceptr* pointer, size_t bytes) {
     *pointer = reinterpret_cast<CUdeviceptr>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));

@@ -10,8 +10,22 @@
 //                                       print kernel_score_scale's two values (%.9g) or its error
 //   open_bundle --key DIRECTION DTYPE HEAD_DIM MASK SOFTCAP ALIBI SINKS HEAD_DIM_V LAYOUT
 //                                       print kernel_key of variant_name(MASK, ...)
-//   open_bundle --tensor DATA BATCH_STRIDE ROW_STRIDE HEAD_STRIDE TMA
-//                                       print "ok" or tensor_status's error for a tensor "t"
+//   open_bundle --tensor DATA BATCH_STRIDE ROW_STRIDE HEAD_STRIDE TMA [DTYPE]
+//                                       print "ok" or tensor_status's error for a tensor "t" of
+//                                       DTYPE elements (default bf16)
+//   open_bundle --dtype DTYPE           print its element_bytes, output_dtype's name,
+//                                       stride_multiple and tma_box_columns
+//   open_bundle --e4m3-call DTYPE DIRECTION LAYOUT SOFTCAP ALIBI SINKS MASK_MOD
+//                                       print "ok" or e4m3_call_status's error (MASK_MOD "-": none;
+//                                       ALIBI, SINKS: 0 or 1)
+//   open_bundle --descales DTYPE Q K V Q_BATCH Q_HEAD K_BATCH K_HEAD V_BATCH V_HEAD
+//                                       print "ok" or descales_status's error
+//   open_bundle --call DIR ENTRY NAME=VALUE...
+//                                       open DIR and make one call (ENTRY: forward, backward,
+//                                       kvcache or semaphores: Bundle::attention,
+//                                       attention_backward, attention_kvcache,
+//                                       backward_semaphore_bytes) of the Attention the NAME=VALUE
+//                                       pairs describe (read_call); print "ok" or "error: ..."
 //   open_bundle --mask CAUSAL LEFT RIGHT SEQLEN_Q SEQLEN_K
 //                                       print call_mask's kind and window ("KIND LEFT RIGHT") or
 //                                       its error
@@ -54,6 +68,108 @@ static std::pair<CUdeviceptr, std::optional<fagen::Strides>> parse_tensor(const 
     return {address, s};
 }
 
+static fagen::DType parse_dtype(const std::string& name) {
+    for (fagen::DType dtype : {fagen::DType::fp16, fagen::DType::bf16, fagen::DType::e4m3}) {
+        if (name == fagen::dtype_name(dtype)) return dtype;
+    }
+    std::fprintf(stderr, "unknown dtype %s\n", name.c_str());
+    std::exit(2);
+}
+
+// "ADDR" or "ADDR:BATCH:HEAD": a descale's address and its (batch, head) strides in floats.
+static void parse_descale(const char* text, CUdeviceptr& address, long long& batch_stride, long long& head_stride) {
+    char* end = nullptr;
+    address = static_cast<CUdeviceptr>(std::strtoull(text, &end, 10));
+    if (*end != ':') return;
+    batch_stride = std::strtoll(end + 1, &end, 10);
+    head_stride = std::strtoll(end + 1, &end, 10);
+}
+
+// --call's NAME=VALUE pairs as an AttentionBackward (the forward's fields, and a backward's):
+// dtype, causal (0/1), batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale, softcap;
+// the tensors q, k, v, out (ADDR or ADDR:BATCH:ROW:HEAD) and lse; alibi, sinks (array
+// addresses); mask_mod; varlen (0/1: packed rows of equal lengths at two dummy offset arrays);
+// descale_q, descale_k, descale_v (ADDR or ADDR:BATCH:HEAD).
+static fagen::AttentionBackward read_call(int count, char** pairs) {
+    fagen::AttentionBackward a;
+    bool varlen = false;
+    for (int i = 0; i < count; ++i) {
+        const std::string pair = pairs[i];
+        const size_t equals = pair.find('=');
+        const std::string name = pair.substr(0, equals);
+        const char* value = pairs[i] + equals + 1;
+        const std::pair<const char*, int*> sizes[] = {
+            {"batch", &a.batch}, {"seqlen_q", &a.seqlen_q}, {"seqlen_k", &a.seqlen_k}, {"heads_q", &a.heads_q},
+            {"heads_kv", &a.heads_kv}, {"head_dim", &a.head_dim}};
+        const std::pair<const char*, std::pair<CUdeviceptr*, std::optional<fagen::Strides>*>> tensors[] = {
+            {"q", {&a.q, &a.q_strides}}, {"k", {&a.k, &a.k_strides}}, {"v", {&a.v, &a.v_strides}},
+            {"out", {&a.out, &a.out_strides}}};
+        const std::tuple<const char*, CUdeviceptr*, long long*, long long*> descales[] = {
+            {"descale_q", &a.descales.q, &a.descales.q_batch_stride, &a.descales.q_head_stride},
+            {"descale_k", &a.descales.k, &a.descales.k_batch_stride, &a.descales.k_head_stride},
+            {"descale_v", &a.descales.v, &a.descales.v_batch_stride, &a.descales.v_head_stride}};
+        bool known = true;
+        if (name == "dtype") a.dtype = parse_dtype(value);
+        else if (name == "causal") a.causal = std::atoi(value) != 0;
+        else if (name == "scale") a.softmax_scale = std::strtof(value, nullptr);
+        else if (name == "softcap") a.softcap = std::strtof(value, nullptr);
+        else if (name == "lse") a.lse = std::strtoull(value, nullptr, 10);
+        else if (name == "alibi") a.alibi_slopes = std::strtoull(value, nullptr, 10);
+        else if (name == "sinks") a.sinks = std::strtoull(value, nullptr, 10);
+        else if (name == "mask_mod") a.mask_mod = value;
+        else if (name == "varlen") varlen = std::atoi(value) != 0;
+        else known = false;
+        for (const auto& [size_name, size] : sizes) {
+            if (name == size_name) *size = std::atoi(value), known = true;
+        }
+        for (const auto& [tensor_name, tensor] : tensors) {
+            if (name == tensor_name) std::tie(*tensor.first, *tensor.second) = parse_tensor(value), known = true;
+        }
+        for (const auto& [descale_name, address, batch_stride, head_stride] : descales) {
+            if (name == descale_name) parse_descale(value, *address, *batch_stride, *head_stride), known = true;
+        }
+        if (!known) {
+            std::fprintf(stderr, "unknown call field %s\n", name.c_str());
+            std::exit(2);
+        }
+    }
+    if (varlen) {
+        a.cu_seqlens_q = 4096, a.cu_seqlens_k = 8192;
+        a.total_q = static_cast<long long>(a.batch) * a.seqlen_q;
+        a.total_k = static_cast<long long>(a.batch) * a.seqlen_k;
+    }
+    return a;
+}
+
+// --call: one call through the Bundle, on whatever libcuda.so.1 the loader finds.
+static int make_call(int argc, char** argv) {
+    auto bundle = fagen::Bundle::open(argv[2]);
+    if (!bundle.ok()) {
+        std::fprintf(stderr, "%s\n", bundle.status().message().c_str());
+        return 1;
+    }
+    const std::string entry = argv[3];
+    fagen::AttentionBackward a = read_call(argc - 4, argv + 4);
+    fagen::Status status = fagen::Status::error("unknown entry point " + entry);
+    if (entry == "forward") {
+        status = bundle->attention(a, nullptr);
+    } else if (entry == "backward") {
+        a.dout = a.dq = a.out;  // any addresses: the calls are refused before they are read
+        a.dk = a.dv = a.k;
+        a.workspace = a.lse;
+        status = bundle->attention_backward(a, nullptr);
+    } else if (entry == "semaphores") {
+        const fagen::Result<size_t> bytes = bundle->backward_semaphore_bytes(a);
+        if (!bytes.ok()) status = bytes.status();
+    } else if (entry == "kvcache") {
+        fagen::KvCacheAttention cache;
+        static_cast<fagen::Attention&>(cache) = a;
+        status = bundle->attention_kvcache(cache, nullptr);
+    }
+    std::printf("%s\n", status.ok() ? "ok" : ("error: " + status.message()).c_str());
+    return 0;
+}
+
 static void print_map(const char* name, const fagen::TensorMapArgs& m) {
     std::printf("%s data_type=%d rank=%u address=%llu dims=%llu,%llu,%llu,%llu strides=%llu,%llu,%llu "
                 "box=%u,%u,%u,%u element_strides=%u,%u,%u,%u interleave=%d swizzle=%d l2_promotion=%d oob_fill=%d\n",
@@ -74,7 +190,7 @@ static void print_map(const char* name, const fagen::TensorMapArgs& m) {
 // strides defaulting as there (q, k, v contiguous; dout like out, contiguous).
 static int print_tma_maps(int argc, char** argv) {
     fagen::AttentionBackward a;
-    a.dtype = std::strcmp(argv[2], "bf16") == 0 ? fagen::DType::bf16 : fagen::DType::fp16;
+    a.dtype = parse_dtype(argv[2]);
     a.batch = std::atoi(argv[3]);
     a.seqlen_q = std::atoi(argv[4]);
     a.seqlen_k = std::atoi(argv[5]);
@@ -112,6 +228,7 @@ static int print_tma_maps(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
+    if (argc >= 4 && std::strcmp(argv[1], "--call") == 0) return make_call(argc, argv);
     if ((argc == 15 || argc == 17) && std::strcmp(argv[1], "--tma-maps") == 0) return print_tma_maps(argc, argv);
     if ((argc == 17 || argc == 19) && std::strcmp(argv[1], "--varlen-tma-maps") == 0) return print_tma_maps(argc, argv);
     if (argc == 4 && std::strcmp(argv[1], "--scale") == 0) {
@@ -137,10 +254,39 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
-    if (argc == 7 && std::strcmp(argv[1], "--tensor") == 0) {
+    if ((argc == 7 || argc == 8) && std::strcmp(argv[1], "--tensor") == 0) {
         const fagen::Strides strides{std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5])};
-        const fagen::Status s = fagen::tensor_status("t", static_cast<CUdeviceptr>(std::strtoull(argv[2], nullptr, 10)),
-                                                     strides, std::atoi(argv[6]) != 0);
+        const fagen::Status s =
+            fagen::tensor_status("t", static_cast<CUdeviceptr>(std::strtoull(argv[2], nullptr, 10)), strides,
+                                 std::atoi(argv[6]) != 0, argc == 8 ? parse_dtype(argv[7]) : fagen::DType::bf16);
+        std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
+        return 0;
+    }
+    if (argc == 3 && std::strcmp(argv[1], "--dtype") == 0) {
+        const fagen::DType dtype = parse_dtype(argv[2]);
+        std::printf("%d %s %d %d\n", fagen::element_bytes(dtype), fagen::dtype_name(fagen::output_dtype(dtype)),
+                    fagen::stride_multiple(dtype), fagen::tma_box_columns(dtype));
+        return 0;
+    }
+    if (argc == 9 && std::strcmp(argv[1], "--e4m3-call") == 0) {
+        fagen::Attention a;
+        a.dtype = parse_dtype(argv[2]);
+        a.softcap = std::strtof(argv[5], nullptr);
+        a.alibi_slopes = std::atoi(argv[6]) != 0 ? 4096 : 0;
+        a.sinks = std::atoi(argv[7]) != 0 ? 4096 : 0;
+        if (std::strcmp(argv[8], "-") != 0) a.mask_mod = argv[8];
+        const fagen::Status s = fagen::e4m3_call_status(a, argv[3], argv[4]);
+        std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
+        return 0;
+    }
+    if (argc == 12 && std::strcmp(argv[1], "--descales") == 0) {
+        long long v[9];
+        for (int i = 0; i < 9; ++i) v[i] = std::atoll(argv[3 + i]);
+        fagen::Descales d;
+        d.q = static_cast<CUdeviceptr>(v[0]), d.k = static_cast<CUdeviceptr>(v[1]), d.v = static_cast<CUdeviceptr>(v[2]);
+        d.q_batch_stride = v[3], d.q_head_stride = v[4], d.k_batch_stride = v[5], d.k_head_stride = v[6];
+        d.v_batch_stride = v[7], d.v_head_stride = v[8];
+        const fagen::Status s = fagen::descales_status(parse_dtype(argv[2]), d);
         std::printf("%s\n", s.ok() ? "ok" : ("error: " + s.message()).c_str());
         return 0;
     }
