@@ -1269,7 +1269,8 @@ public:
         }
         auto key = merge_kernel_key(m.dtype);
         if (!key.ok()) return key.status();
-        auto kernel = this->kernel(key.value());
+        // The split-KV kernel of that key: a paged key is also a prefill's tile kernel (FA3).
+        auto kernel = this->kernel(key.value(), 0, FAGEN_GRID_SPLITS);
         if (!kernel.ok()) return kernel.status();
         const auto la = m.lse_a_strides.value_or(rows), lb = m.lse_b_strides.value_or(rows),
                    lo = m.lse_strides.value_or(rows);
