@@ -16,7 +16,7 @@ from fagen.model import fa3, fa3_bwd
 
 # The forward's (S = Q K^T: block_n, O += P V: head_dim) and the backward's N values.
 WGMMA_N = tuple(sorted(set(fa3.WGMMA_N) | set(fa3_bwd.WGMMA_N)))
-PTX_TYPES = {"bf16": "bf16", "f16": "f16"}
+PTX_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 # The FP8 forward's N values (block_n of Q K^T, head_dim_v of P V).
 WGMMA_E4M3_N = fa3.WGMMA_E4M3_N
 
@@ -46,36 +46,37 @@ namespace fagen::ptx {
 
 
 def _wrapper(n: int, dtype: str, a_from_registers: bool) -> str:
+    """m64nNk16 for the 16-bit types, whose operands may be transposed (immediates), or m64nNk32
+    for e4m3, whose operands are K-major only."""
     regs = n // 2
     d_list = ", ".join(f"%{i}" for i in range(regs))
     outputs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
     ptx_type = PTX_TYPES[dtype]
-    name = f"wgmma_m64n{n}k16_{'rs' if a_from_registers else 'ss'}_{dtype}"
+    k = 32 if dtype == "e4m3" else 16
+    name = f"wgmma_m64n{n}k{k}_{'rs' if a_from_registers else 'ss'}_{dtype}"
     if a_from_registers:
         a_ops = f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}"
-        b_op, p_op, t_op = f"%{regs + 4}", f"%{regs + 5}", f"%{regs + 6}"
-        tail = f"p, 1, 1, {t_op}"
-        inputs = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), '
-                  '"n"(kTransposeB)')
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
         a_param = "const uint32_t (&a)[4]"
     else:
         a_ops = f"%{regs}"
-        b_op, p_op, t_op = f"%{regs + 1}", f"%{regs + 2}", f"%{regs + 3}"
-        tail = f"p, 1, 1, %{regs + 4}, {t_op}"
-        inputs = ('"l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB), '
-                  '"n"(kTransposeA)')
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
         a_param = "unsigned long long desc_a"
-    template_params = "int kTransposeB" if a_from_registers else "int kTransposeB, int kTransposeA"
-    return f"""
-template <{template_params}>
+    b_index = regs + (4 if a_from_registers else 1)  # desc_b, then accumulate, then the transposes
+    transposes = () if dtype == "e4m3" else ("kTransposeB",) if a_from_registers else ("kTransposeB", "kTransposeA")
+    # The instruction's immediates after scale-d: scale-a, scale-b, then tnsp-a, tnsp-b.
+    tail = "p, 1, 1" + "".join(f", %{b_index + 2 + i}" for i in reversed(range(len(transposes))))
+    inputs += "".join(f', "n"({t})' for t in transposes)
+    template = f"\ntemplate <{', '.join(f'int {t}' for t in transposes)}>" if transposes else ""
+    return f"""{template}
 __device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param},
         unsigned long long desc_b, int accumulate) {{
     asm volatile(
         "{{\\n"
         ".reg .pred p;\\n"
-        "setp.ne.b32 p, {p_op}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-        "{{{d_list}}}, {a_ops}, {b_op}, {tail};\\n"
+        "setp.ne.b32 p, %{b_index + 1}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type} "
+        "{{{d_list}}}, {a_ops}, %{b_index}, {tail};\\n"
         "}}\\n"
         : {outputs}
         : {inputs});
@@ -108,36 +109,6 @@ __device__ __forceinline__ void wgmma_{kind}(float (&d)[kN / 8][4], {a_param},
 """
 
 
-def _e4m3_wrapper(n: int, a_from_registers: bool) -> str:
-    """m64nNk32 with e4m3 operands: no transpose immediates (both operands K-major)."""
-    regs = n // 2
-    d_list = ", ".join(f"%{i}" for i in range(regs))
-    outputs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-    name = f"wgmma_m64n{n}k32_{'rs' if a_from_registers else 'ss'}_e4m3"
-    if a_from_registers:
-        a_ops, b_op, p_op = f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}", f"%{regs + 4}", f"%{regs + 5}"
-        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
-        a_param = "const uint32_t (&a)[4]"
-    else:
-        a_ops, b_op, p_op = f"%{regs}", f"%{regs + 1}", f"%{regs + 2}"
-        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
-        a_param = "unsigned long long desc_a"
-    return f"""
-__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param},
-        unsigned long long desc_b, int accumulate) {{
-    asm volatile(
-        "{{\\n"
-        ".reg .pred p;\\n"
-        "setp.ne.b32 p, {p_op}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-        "{{{d_list}}}, {a_ops}, {b_op}, p, 1, 1;\\n"
-        "}}\\n"
-        : {outputs}
-        : {inputs});
-}}
-"""
-
-
 def _e4m3_dispatch(a_from_registers: bool) -> str:
     kind = "rs" if a_from_registers else "ss"
     a_param = "const uint32_t (&a)[4]" if a_from_registers else "unsigned long long desc_a"
@@ -160,14 +131,14 @@ __device__ __forceinline__ void wgmma_{kind}_e4m3(float (&d)[kN / 8][4], {a_para
 def render_header() -> str:
     parts = [HEADER]
     for n in WGMMA_N:
-        for dtype in PTX_TYPES:
+        for dtype in ("bf16", "f16"):
             parts.append(_wrapper(n, dtype, a_from_registers=False))
             parts.append(_wrapper(n, dtype, a_from_registers=True))
     parts.append(_dispatch(a_from_registers=False))
     parts.append(_dispatch(a_from_registers=True))
     for n in WGMMA_E4M3_N:
-        parts.append(_e4m3_wrapper(n, a_from_registers=False))
-        parts.append(_e4m3_wrapper(n, a_from_registers=True))
+        parts.append(_wrapper(n, "e4m3", a_from_registers=False))
+        parts.append(_wrapper(n, "e4m3", a_from_registers=True))
     parts.append(_e4m3_dispatch(a_from_registers=False))
     parts.append(_e4m3_dispatch(a_from_registers=True))
     parts.append("\n}  // namespace fagen::ptx\n")
