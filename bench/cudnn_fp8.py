@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import cuda_missing
+from bench.attention import median_ms
+from fagen.torch.quantize import quantize_e4m3
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 P_SCALE = E4M3_MAX  # scale_s: softmax probabilities (<= 1) onto the whole e4m3 range
@@ -149,26 +151,14 @@ def _failure(exc: Exception) -> str:
     return f"cuDNN FP8: {type(exc).__name__}: {exc}"
 
 
-def _median_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
 def e4m3_matmul_tflops(n=8192) -> float:
     """TFLOP/s of an n x n x n e4m3 matmul (torch._scaled_mm, bf16 out): what FP8 tensor cores
     give here, the ceiling an FP8 attention's TFLOP/s is read against."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
     one = torch.tensor(1.0, device="cuda")
-    ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def quantize(x):
-    """x as e4m3 with one fp32 descale (amax / 448), so its largest element lands on 448."""
-    descale = (x.abs().amax().float() / E4M3_MAX).reshape(1)
-    return (x / descale).to(torch.float8_e4m3fn), descale
 
 
 def reference(q, k, v, causal, softmax_scale):
@@ -207,7 +197,7 @@ def accuracy_rows(batch=2, seqlen=1024):
         for magnitude in (1, 4):
             try:
                 shapes = [(batch, seqlen, heads, head_dim) for heads in (heads_q, heads_kv, heads_kv)]
-                quantized = [quantize(torch.randn(s, device="cuda", dtype=torch.bfloat16) * magnitude) for s in shapes]
+                quantized = [quantize_e4m3(torch.randn(s, device="cuda", dtype=torch.bfloat16) * magnitude) for s in shapes]
                 q, k, v = (x8.float() * descale for x8, descale in quantized)
                 expected = reference(q, k, v, causal, softmax_scale)
                 out = attn(*(x8 for x8, _ in quantized), *(descale for _, descale in quantized)).float()
@@ -230,11 +220,11 @@ def timing_rows(tokens=16384, heads=16, head_dim=128):
             name = f"s{seqlen} b{batch} {'causal' if causal else 'full'}"
             try:
                 attn = CudnnFp8Attention(batch, seqlen, seqlen, heads, heads, head_dim, causal, head_dim**-0.5)
-                args = [quantize(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16))
+                args = [quantize_e4m3(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16))
                         for _ in range(3)]
                 q8, k8, v8 = (x8 for x8, _ in args)
                 descales = [descale for _, descale in args]
-                ms = _median_ms(lambda: attn(q8, k8, v8, *descales))
+                ms = median_ms(lambda: attn(q8, k8, v8, *descales))
                 flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
                 rows.append((name, f"{ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:7.1f} TFLOP/s"))
             except Exception as exc:  # noqa: BLE001

@@ -30,18 +30,10 @@ from bench.attention import (
 )
 from fagen.torch import KernelNotFound, flash_attn_func, get_bundle, incoherent_qk, quantize_e4m3
 
-E4M3 = torch.float8_e4m3fn
-
-
-def quantise(x: torch.Tensor):
-    descale = (x.abs().amax().float() / torch.finfo(E4M3).max).reshape(1)
-    return (x.float() / descale).to(E4M3), descale
-
-
 def measure(head_dim: int, causal: bool, seqlen: int, bundle, repeats: int, cudnn_peer) -> dict:
     batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    (q8, qd), (k8, kd), (v8, vd) = quantise(q), quantise(k), quantise(v)
+    (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
     row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "nheads": heads,
            "errors": {}, "ms": {}, "tflops": {}}
     contenders = {

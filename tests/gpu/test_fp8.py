@@ -28,7 +28,7 @@ from attention_reference import heads_first, visible  # noqa: E402
 from test_fa2_fwd import poison_allocator  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
-from fagen.torch import flash_attn_func  # noqa: E402
+from fagen.torch import flash_attn_func, quantize_e4m3  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,21 +49,6 @@ def require_fp8(bundle, head_dim, causal, window=(-1, -1)):
         bundle.select(key, torch.cuda.get_device_capability())
     except KernelNotFound as exc:
         pytest.skip(f"bundle has no {key}: {str(exc).splitlines()[0]}")
-
-
-def quantise(x: torch.Tensor, per_head: bool, heads_kv: int):
-    """x (batch, seqlen, heads, d) as e4m3 with descales: one per tensor (shape (1,)) or one per
-    (batch, kv head) (shape (batch, heads_kv): q's query heads share their KV head's, as
-    flash-attn's q_descale), each amax / 448 so that the largest value lands on e4m3's largest."""
-    if per_head:
-        batch, seqlen, heads, dim = x.shape
-        grouped = x.float().view(batch, seqlen, heads_kv, heads // heads_kv, dim)
-        descale = grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-12) / E4M3_MAX
-        x8 = (x.float() / per_head_of(descale, heads)).to(E4M3)
-    else:
-        descale = (x.abs().amax().float().clamp_min(1e-12) / E4M3_MAX).reshape(1)
-        x8 = (x.float() / descale).to(E4M3)
-    return x8, descale
 
 
 def per_head_of(descale: torch.Tensor, heads: int) -> torch.Tensor:
@@ -144,9 +129,10 @@ def bf16_forward_error(q, k, v, causal, scale, window, ref_out):
 
 
 def check(bundle, q, k, v, causal=False, window=(-1, -1), scale=None, per_head=False, descale_shape=None):
-    """Quantise q, k, v (bf16, (batch, seqlen, heads, d)), run the e4m3 forward, hold it to the bar."""
+    """Quantise q, k, v (bf16, (batch, seqlen, heads, d); fagen.torch.quantize_e4m3: per tensor,
+    or per (batch, kv head) with `per_head`), run the e4m3 forward, hold it to the bar."""
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    (q8, qd), (k8, kd), (v8, vd) = (quantise(x, per_head, k.shape[2]) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(x, k.shape[2] if per_head else None) for x in (q, k, v))
     descales = (qd, kd, vd)
     if descale_shape is not None:  # the same values as another shape of tensor
         descales = tuple(d.reshape(descale_shape) for d in descales)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_kvcache import DTYPES, Cache, check_rows  # noqa: E402
+from test_kvcache import DTYPES, LAYOUTS, Cache, check_rows  # noqa: E402
 from attention_reference import Mods, forward_failures  # noqa: E402
 from test_fa2_fwd import poison_allocator  # noqa: E402
 from fagen import contract  # noqa: E402
@@ -68,7 +68,6 @@ def run(bundle, q, cache, **kwargs):
     return out, lse
 
 
-LAYOUTS = {"contiguous": None, "paged16": 16, "paged64": 64, "paged256": 256}
 LENGTHS = [0, 100, NEW, 700, 2049]  # 0 and 100: rows with fewer keys than new tokens
 
 
