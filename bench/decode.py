@@ -11,6 +11,13 @@ the median.
     FAGEN_BUNDLE=generated/default python -m bench.decode
     python -m bench.decode --rows 64x4096 --heads 32:8 --head-dims 128 --pages 0,16
 
+`--fp8-cache` adds fagen over an FP8 (e4m3) copy of the same cache (descales per (batch, KV
+head)), contiguous and paged: `fagen-e4m3*`. Its GB/s are counted at bf16's two bytes per
+element like every other column, so they are K/V tokens per second on a common scale, and its
+ratio to `fagen` (column ÷bf16) is the FP8 cache's gain in tokens per second.
+
+    python -m bench.decode --fp8-cache --rows 1x65536,64x4096,64x16384 --head-dims 64,128,256
+
 `--sweep DIR` times every paged-layout kernel of the bundle at DIR instead (contiguous cache,
 each row's shape at its head dim, for each split count of --splits; 0: the runtime's choice),
 to pick tiles and check the split heuristic.
@@ -29,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench.attention import median_ms, rotating_samples, timer_name
 from fagen import contract
 from fagen.runtime import call, kvcache, runs_on
-from fagen.torch import flash_attn_with_kvcache, get_bundle
+from fagen.torch import flash_attn_with_kvcache, get_bundle, quantize_e4m3
 from fagen.torch.adapter import _current_stream
 
 ROWS = ((1, 65536), (16, 65536), (64, 1024), (64, 4096), (64, 16384), (128, 4096))
@@ -65,7 +72,8 @@ def paged(k, page_size, generator):
     return pages, order.view(batch, per_row).to(torch.int32)
 
 
-def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, repeats, seqlen_q=1) -> dict:
+def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, repeats, seqlen_q=1,
+            fp8_cache=False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = torch.bfloat16
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype, generator=gen)
@@ -74,10 +82,10 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
     lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
     contenders, outputs, errors = {}, {}, {}
 
-    def fagen_call(k_cache, v_cache, table):
+    def fagen_call(k_cache, v_cache, table, **descales):
         return lambda: outputs.__setitem__(
             "last", flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
-                                            causal=True, bundle=bundle))
+                                            causal=True, bundle=bundle, **descales))
 
     fa4 = flash_attn_4_varlen()
 
@@ -95,6 +103,16 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
         calls[f"fagen-p{page_size}"] = fagen_call(k_pages, v_pages, table)
         if fa4 is not None:
             calls[f"FA4-p{page_size}"] = fa4_call(k_pages, v_pages, table)
+    if fp8_cache:
+        (k8, k_descale), (v8, v_descale) = quantize_e4m3(k, heads_kv), quantize_e4m3(v, heads_kv)
+        descales = {"k_descale": k_descale, "v_descale": v_descale}
+        calls["fagen-e4m3"] = fagen_call(k8, v8, None, **descales)
+        for page_size in page_sizes:
+            k_pages, table = paged(k8.view(torch.uint8), page_size, gen)
+            v_pages = torch.empty_like(k_pages)
+            v_pages[table.view(-1).long()] = v8.view(torch.uint8).reshape(-1, page_size, heads_kv, head_dim)
+            calls[f"fagen-e4m3-p{page_size}"] = fagen_call(k_pages.view(k8.dtype), v_pages.view(k8.dtype), table,
+                                                           **descales)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for name, backend in PEERS.items():
         def peer(backend=backend):
@@ -117,6 +135,9 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
                 out = fn().float()
                 if reference is not None and (out - reference).abs().max().item() > 2e-2:
                     errors[name + " differs"] = f"{(out - reference).abs().max().item():.3g}"
+            elif name.startswith("fagen-e4m3"):  # quantised keys and values: a looser match
+                if reference is not None and (outputs["last"].float() - reference).abs().max().item() > 0.1:
+                    errors[name + " differs"] = "from the bf16 cache's output by more than 0.1"
             elif reference is not None and (outputs["last"].float() - reference).abs().max().item() > 2e-2:
                 errors[name + " differs"] = "from the contiguous cache's output"
         except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
@@ -130,23 +151,25 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
 
 
 def sweep(bundle_dir: str, rows, heads_q: int, heads_kv: int, splits: list[int], head_dims: list[int]) -> None:
-    """Each paged bf16 kernel of the bundle at `head_dims`, `rows` ((batch, seqlen_k) pairs) and
-    split counts."""
+    """Each paged fp16 / bf16 kernel of the bundle (over a cache of its type or an e4m3 one) at `head_dims`, `rows`
+    ((batch, seqlen_k) pairs) and split counts; GB/s at two bytes per cached element, as the
+    main table counts them."""
     bundle = get_bundle(bundle_dir)
     cc = torch.cuda.get_device_capability()
     print("| kernel | batch | seqlen_k | splits | GB/s |\n|---|---|---|---|---|")
     for entry in bundle.kernels:
         key = contract.KernelKey.parse(entry.key)
-        if (key.layout != "paged" or key.mods or key.dtype != "bf16" or key.head_dim not in head_dims
+        if (key.layout != "paged" or key.mods or key.dtype not in ("bf16", "fp16") or key.head_dim not in head_dims
                 or not runs_on(entry, cc)):
             continue
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[key.dtype]
+        cache_dtype = torch.float8_e4m3fn if key.kv_dtype == "e4m3" else dtype
         for batch, seqlen_k in rows:
             q = torch.randn(batch, 1, heads_q, key.head_dim, device="cuda", dtype=dtype)
-            k, v = (torch.randn(batch, seqlen_k, heads_kv, key.head_dim, device="cuda", dtype=dtype) for _ in "kv")
+            k, v = (torch.randn(batch, seqlen_k, heads_kv, key.head_dim, device="cuda").to(cache_dtype) for _ in "kv")
             out = torch.empty_like(q)
             problem = call.Problem(key.dtype, True, batch, 1, seqlen_k, heads_q, heads_kv, key.head_dim,
-                                   layout="paged")
+                                   layout="paged", kv_dtype=key.kv_dtype)
             tensors = [call.Tensor(t.data_ptr(), *t.stride()[:3]) for t in (q, k, v, out)]
             for count in splits:
                 prepared = kvcache.prepare_kvcache(bundle, problem, *tensors, kvcache.KvCache(), device=0,
@@ -165,13 +188,17 @@ def format_table(rows: list[dict]) -> str:
         names += [n for n in row["gbps"] if n not in names]
     # Ratios of the contiguous cache's rows (FA4's paged rows are columns of their own).
     peers = [n for n in names if not n.startswith("fagen") and "-p" not in n]
-    header = ["hd", "heads", "sq", "batch", "seqlen_k", *names, *(f"÷{p}" for p in peers)]
+    fp8 = "fagen-e4m3" in names
+    header = ["hd", "heads", "sq", "batch", "seqlen_k", *names, *(f"÷{p}" for p in peers),
+              *(["e4m3÷bf16"] if fp8 else [])]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         g = row["gbps"]
         cells = [str(row["head_dim"]), row["heads"], str(row["seqlen_q"]), str(row["batch"]), str(row["seqlen_k"])]
         cells += [f"{g[n]:.0f}" if n in g else "—" for n in names]
         cells += [f"{g['fagen'] / g[p]:.2f}" if "fagen" in g and p in g else "—" for p in peers]
+        if fp8:
+            cells.append(f"{g['fagen-e4m3'] / g['fagen']:.2f}" if "fagen" in g and "fagen-e4m3" in g else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -185,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", default="16,64,256", help="page sizes of the paged rows (0: none)")
     parser.add_argument("--seqlen-q", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fp8-cache", action="store_true", help="add fagen over an e4m3 copy of the cache")
     parser.add_argument("--sweep", metavar="DIR", help="time every paged kernel of this bundle instead")
     parser.add_argument("--splits", default="0,1,2,4", help="--sweep's split counts (0: the runtime's)")
     args = parser.parse_args(argv)
@@ -207,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             heads_q, heads_kv = (int(h) for h in heads.split(":"))
             for batch, seqlen_k in row_pairs:
                 row = measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, args.repeats,
-                              args.seqlen_q)
+                              args.seqlen_q, args.fp8_cache)
                 rows.append(row)
                 print(f"hd{head_dim} {heads} b{batch} sk{seqlen_k}: "
                       + ", ".join(f"{n} {g:.0f}" for n, g in row["gbps"].items())

@@ -40,6 +40,12 @@ DTYPES = ("fp16", "bf16", "e4m3")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "e4m3": 1}
 # The output's element type where it is not the inputs' (flash-attn's FP8 forward returns bf16).
 OUTPUT_DTYPES = {"e4m3": "bf16"}
+# The element types a KV cache (the paged layout's k and v) may have besides its queries': an
+# FP8 cache under fp16 or bf16 queries, which the split-KV kernels widen in registers (its
+# descales are k's and v's, FagenFwdParams.k_descale ...). A key spells the pair as dtypes_name
+# does; the output is the queries' type.
+CACHE_DTYPES = ("e4m3",)
+CACHE_DTYPE_SEPARATOR = "-"
 # The built-in masks (templates/include/fagen/algo/mask.cuh: MaskKind), in its order: what a
 # call's causal and window_size select (call_mask).
 MASKS = ("full", "causal", "local")
@@ -58,13 +64,14 @@ SCORE_MODS = ("softcap", "alibi", "sinks")
 # packed, (total, heads, head_dim), each batch row's tokens from cu_seqlens_q / cu_seqlens_k; the
 # grid sized by the longest row; forward and backward). The first is every key's default.
 LAYOUTS = ("dense", "paged", "varlen")
-# The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The head
+# The one spelling of a key; parse() and the generated C++ kernel_key() follow it. The dtype is
+# q's, and the cache's after a `-` where it differs (dtypes_name: bf16, bf16-e4m3); the head
 # dims are q and k's, and v's after a `v` where it differs (head_dims_name: 128, 192v128); the
 # variant is the mask and the kernel's score modifiers, e.g. "local+softcap" (variant_name); a
 # layout other than dense follows as a last part (fwd/bf16/hd128/local/paged).
 KEY_FORMAT = "{direction}/{dtype}/hd{head_dims}/{variant}"
 LAYOUT_SUFFIX = "/{layout}"
-_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+", "head_dims": "[0-9]+(?:v[0-9]+)?",
+_KEY_FIELDS = {"direction": "[a-z]+", "dtype": "[a-z0-9]+(?:-[a-z0-9]+)?", "head_dims": "[0-9]+(?:v[0-9]+)?",
                "variant": "[a-z0-9_+]+", "layout": "[a-z]+"}
 
 
@@ -97,6 +104,20 @@ def variant_name(mask: str, mods: tuple[str, ...] = ()) -> str:
     return mask + "".join(f"+{mod}" for mod in SCORE_MODS if mod in mods)
 
 
+def dtypes_name(dtype: str, kv_dtype: str | None = None) -> str:
+    """q's element type, and the K/V cache's after a `-` where it differs (None: the same), as a
+    key spells them: bf16, bf16-e4m3."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return dtype
+    return f"{dtype}{CACHE_DTYPE_SEPARATOR}{kv_dtype}"
+
+
+def parse_dtypes(name: str) -> tuple[str, str]:
+    """The (q, K/V) element types that dtypes_name spelled as `name`."""
+    dtype, _, kv_dtype = name.partition(CACHE_DTYPE_SEPARATOR)
+    return dtype, kv_dtype or dtype
+
+
 def head_dims_name(head_dim: int, head_dim_v: int | None = None) -> str:
     """q/k's head dim, and v's after a `v` where it differs (None: the same), as a key spells
     them: 128, 192v128."""
@@ -116,14 +137,17 @@ class KernelKey:
     mods: tuple[str, ...] = ()  # of SCORE_MODS, in its order
     head_dim_v: int | None = None  # v's and the output's where it differs from head_dim
     layout: str = LAYOUTS[0]
+    kv_dtype: str | None = None  # the K/V cache's element type where it differs from dtype
 
     def __post_init__(self):
         if self.head_dim_v == self.head_dim:  # one head dim: spelled once
             object.__setattr__(self, "head_dim_v", None)
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", None)
 
     def __str__(self) -> str:
         return kernel_key(self.direction, self.dtype, self.head_dim, self.mask, self.mods, self.head_dim_v,
-                          self.layout)
+                          self.layout, self.kv_dtype)
 
     @classmethod
     def parse(cls, text: str) -> "KernelKey | None":
@@ -142,15 +166,18 @@ class KernelKey:
         layout = found["layout"] or LAYOUTS[0]
         if layout not in LAYOUTS or found["layout"] == LAYOUTS[0]:  # dense is never spelled
             return None
-        return cls(found["direction"], found["dtype"], int(head_dim), mask, tuple(mods),
-                   int(head_dim_v) if head_dim_v else None, layout)
+        dtype, kv_dtype = parse_dtypes(found["dtype"])
+        if CACHE_DTYPE_SEPARATOR in found["dtype"] and kv_dtype == dtype:  # spelled once where they agree
+            return None
+        return cls(found["direction"], dtype, int(head_dim), mask, tuple(mods),
+                   int(head_dim_v) if head_dim_v else None, layout, kv_dtype)
 
 
 def kernel_key(direction: str, dtype: str, head_dim: int, mask: str, mods: tuple[str, ...] = (),
-               head_dim_v: int | None = None, layout: str = LAYOUTS[0]) -> str:
+               head_dim_v: int | None = None, layout: str = LAYOUTS[0], kv_dtype: str | None = None) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: one of {', '.join(LAYOUTS)}")
-    key = KEY_FORMAT.format(direction=direction, dtype=dtype,
+    key = KEY_FORMAT.format(direction=direction, dtype=dtypes_name(dtype, kv_dtype),
                             head_dims=head_dims_name(head_dim, head_dim_v),
                             variant=variant_name(mask, mods))
     return key if layout == LAYOUTS[0] else key + LAYOUT_SUFFIX.format(layout=layout)
@@ -394,7 +421,10 @@ class SplitWorkspace:
 # per 16 GQA-packed rows) when the bundle has one; its K/V tiles load in runs of keys, each from
 # its own page (cache_box_rows), CACHE_TMA_BOX_ROWS at least (the page-size multiple).
 PAGED_TILE_MIN_QUERIES = 128
-CACHE_TMA_BOX_ROWS = 16
+# A page size is a multiple of this: the split-KV kernels look pages up in runs of 16 keys, the
+# tile kernels load boxes of 16 keys at least (vLLM's pages are 16 keys).
+PAGE_SIZE_MULTIPLE = 16
+CACHE_TMA_BOX_ROWS = PAGE_SIZE_MULTIPLE
 
 
 def cache_box_rows(page_size: int, tile_rows: int) -> int:

@@ -2,6 +2,7 @@
 //
 //   fagen_decode_paged [--bundle DIR] [--batch 4] [--heads-q 32] [--heads-kv 8] [--head-dim 128]
 //                      [--page-size 16] [--steps 8] [--num-splits 0] [--seed 0] [--tolerance T]
+//                      [--fp8-cache 1]
 //
 // Each row of the batch holds a prompt of a random length (1 ... 700 keys) in pages of
 // --page-size keys, taken from one pool in a random order through a block table (bf16). Then
@@ -12,12 +13,15 @@
 // After the last step, cascade attention: each row's keys as a head (its first pages) and a tail
 // (the rest, through a second block table), attended separately and merged
 // (Bundle::merge_attention_states), checked against the whole row's output.
+// --fp8-cache 1 keeps the cache (and the appended rows) in e4m3 with one descale each for K and
+// V (KvCacheAttention::kv_dtype, Descales), the reference over the values they stand for.
 // Exit status: 0 when every step's max error (relative to the reference's largest |value|) is
 // within the tolerance, 1 when one is not, 2 when the run could not happen.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -36,6 +40,7 @@ namespace {
 struct Options {
     std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
     int batch = 4, heads_q = 32, heads_kv = 8, head_dim = 128, page_size = 16, steps = 8, num_splits = 0;
+    bool fp8_cache = false;
     unsigned seed = 0;
     double tolerance = 1.0 / 64;  // bf16 outputs: a few units in the last place of values near 1
 };
@@ -54,6 +59,7 @@ bool parse(int argc, char** argv, Options& o) {
         else if (flag == "--num-splits") o.num_splits = std::atoi(value);
         else if (flag == "--seed") o.seed = static_cast<unsigned>(std::atoi(value));
         else if (flag == "--tolerance") o.tolerance = std::atof(value);
+        else if (flag == "--fp8-cache") o.fp8_cache = std::atoi(value) != 0;
         else return false;
     }
     return argc % 2 == 1 && !o.bundle.empty() && o.batch > 0 && o.heads_kv > 0 && o.heads_q % o.heads_kv == 0 &&
@@ -73,6 +79,27 @@ void fill_random(std::vector<uint16_t>& bits, std::vector<float>& values, std::m
         values[i] = from_bf16(bits[i]);
     }
 }
+
+// K and V elements as stored: bf16, or e4m3 that stand for their values times `descale`.
+struct CacheElements {
+    bool e4m3 = false;
+    float descale = 1.0f;
+    size_t bytes_per_element() const { return e4m3 ? 1 : 2; }
+    // Random elements (bytes, element_bytes each) and the fp32 values they stand for.
+    void fill(std::vector<uint8_t>& bytes, std::vector<float>& values, std::mt19937& rng) const {
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (size_t i = 0; i < values.size(); ++i) {
+            if (e4m3) {
+                bytes[i] = to_e4m3(normal(rng) / descale);
+                values[i] = from_e4m3(bytes[i]) * descale;
+            } else {
+                const uint16_t bits = to_bf16(normal(rng));
+                std::memcpy(&bytes[2 * i], &bits, 2);
+                values[i] = from_bf16(bits);
+            }
+        }
+    }
+};
 
 }  // namespace
 
@@ -138,7 +165,8 @@ int main(int argc, char** argv) {
     Options o;
     if (!parse(argc, argv, o)) {
         std::fprintf(stderr, "usage: %s [--bundle DIR] [--batch N] [--heads-q N] [--heads-kv N] [--head-dim N] "
-                             "[--page-size 16k] [--steps N] [--num-splits N] [--seed N] [--tolerance T]\n", argv[0]);
+                             "[--page-size 16k] [--steps N] [--num-splits N] [--seed N] [--tolerance T] "
+                             "[--fp8-cache 0|1]\n", argv[0]);
         return 2;
     }
     auto bundle = fagen::Bundle::open(o.bundle);
@@ -163,16 +191,20 @@ int main(int argc, char** argv) {
     const int d = o.head_dim, group = o.heads_q / o.heads_kv;
     const size_t row_elements = size_t(o.heads_kv) * d;  // one key (or value) of every K/V head
     const size_t cache_elements = size_t(pages) * o.page_size * row_elements;
-    std::vector<uint16_t> k_bits(cache_elements), v_bits(cache_elements);
+    // e4m3: N(0, 1) samples over 5 / 448, so that e4m3's range covers |x| <= 5 (the rest saturates).
+    const CacheElements elements{o.fp8_cache, o.fp8_cache ? 5.0f / 448.0f : 1.0f};
+    const size_t element_bytes = elements.bytes_per_element();
+    std::vector<uint8_t> k_bytes(cache_elements * element_bytes), v_bytes(cache_elements * element_bytes);
     std::vector<float> k_values(cache_elements), v_values(cache_elements);
-    fill_random(k_bits, k_values, rng);
-    fill_random(v_bits, v_values, rng);
+    elements.fill(k_bytes, k_values, rng);
+    elements.fill(v_bytes, v_values, rng);
     auto slot = [&](int b, int key) {  // element offset of key `key` of row b in the pool
         return (size_t(table[size_t(b) * per_row + key / o.page_size]) * o.page_size + key % o.page_size) * row_elements;
     };
 
     fagen::KvCacheAttention a;
     a.dtype = fagen::DType::bf16;
+    if (o.fp8_cache) a.kv_dtype = fagen::DType::e4m3;
     a.causal = true;
     a.batch = o.batch;
     a.seqlen_q = 1;
@@ -194,36 +226,41 @@ int main(int argc, char** argv) {
     if (!splits.ok()) return fail(splits.status().message());
     const size_t new_elements = size_t(o.batch) * row_elements;  // one new key (value) per row
     a.seqlen_new = 1;
+    CUdeviceptr descales = 0;  // k's, then v's (e4m3)
     const std::pair<CUdeviceptr*, size_t> allocations[] = {
-        {&a.q, q_elements * 2}, {&a.out, q_elements * 2}, {&a.k, cache_elements * 2}, {&a.v, cache_elements * 2},
-        {&a.block_table, table.size() * 4}, {&a.cache_seqlens, size_t(o.batch) * 4},
-        {&a.workspace, std::max<size_t>(workspace.value(), 16)}, {&a.k_new, new_elements * 2},
-        {&a.v_new, new_elements * 2}, {&a.lse, size_t(o.batch) * o.heads_q * 4}};
+        {&a.q, q_elements * 2}, {&a.out, q_elements * 2}, {&a.k, cache_elements * element_bytes},
+        {&a.v, cache_elements * element_bytes}, {&a.block_table, table.size() * 4}, {&a.cache_seqlens, size_t(o.batch) * 4},
+        {&a.workspace, std::max<size_t>(workspace.value(), 16)}, {&a.k_new, new_elements * element_bytes},
+        {&a.v_new, new_elements * element_bytes}, {&a.lse, size_t(o.batch) * o.heads_q * 4}, {&descales, 8}};
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
     }
+    const float descale_values[2] = {elements.descale, elements.descale};
+    if (o.fp8_cache) a.descales.k = descales, a.descales.v = descales + 4;  // strides 0: one value each
     const fagen::Status setup[] = {
-        cu.check(cu.memcpy_htod(a.k, k_bits.data(), cache_elements * 2), "cuMemcpyHtoD(k)"),
-        cu.check(cu.memcpy_htod(a.v, v_bits.data(), cache_elements * 2), "cuMemcpyHtoD(v)"),
+        cu.check(cu.memcpy_htod(a.k, k_bytes.data(), k_bytes.size()), "cuMemcpyHtoD(k)"),
+        cu.check(cu.memcpy_htod(a.v, v_bytes.data(), v_bytes.size()), "cuMemcpyHtoD(v)"),
+        cu.check(cu.memcpy_htod(descales, descale_values, 8), "cuMemcpyHtoD(descales)"),
         cu.check(cu.memcpy_htod(a.block_table, table.data(), table.size() * 4), "cuMemcpyHtoD(block_table)")};
     for (const fagen::Status& s : setup) {
         if (!s.ok()) return fail(s.message());
     }
     std::printf("fagen_decode_paged: %d rows of %d..%d cached keys, pages of %d (%d in the pool, random order), "
-                "%d:%d heads, head_dim %d, bf16; %d split(s)\n",
+                "%d:%d heads, head_dim %d, bf16 queries over a %s cache; %d split(s)\n",
                 o.batch, *std::min_element(lengths.begin(), lengths.end()),
                 *std::max_element(lengths.begin(), lengths.end()), o.page_size, pages, o.heads_q, o.heads_kv, d,
-                splits.value());
+                o.fp8_cache ? "e4m3" : "bf16", splits.value());
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    std::vector<uint16_t> q_bits(q_elements), out_bits(q_elements), new_k(new_elements), new_v(new_elements);
+    std::vector<uint16_t> q_bits(q_elements), out_bits(q_elements);
+    std::vector<uint8_t> new_k(new_elements * element_bytes), new_v(new_elements * element_bytes);
     std::vector<float> q_values(q_elements), new_k_values(new_elements), new_v_values(new_elements), probs;
     double worst = 0.0;
     for (int step = 0; step < o.steps; ++step) {
         // The step's new token of every row: the call appends its key and value at the row's
         // length (cache_seqlens, uploaded before the append); the reference's copy goes there too.
-        fill_random(new_k, new_k_values, rng);
-        fill_random(new_v, new_v_values, rng);
+        elements.fill(new_k, new_k_values, rng);
+        elements.fill(new_v, new_v_values, rng);
         for (int b = 0; b < o.batch; ++b) {
             const size_t at = slot(b, lengths[b]), from = size_t(b) * row_elements;
             std::copy_n(new_k_values.begin() + from, row_elements, k_values.begin() + at);
@@ -232,8 +269,8 @@ int main(int argc, char** argv) {
         fill_random(q_bits, q_values, rng);
         const std::tuple<CUdeviceptr, const void*, size_t, const char*> uploads[] = {
             {a.q, q_bits.data(), q_elements * 2, "cuMemcpyHtoD(q)"},
-            {a.k_new, new_k.data(), new_elements * 2, "cuMemcpyHtoD(k_new)"},
-            {a.v_new, new_v.data(), new_elements * 2, "cuMemcpyHtoD(v_new)"},
+            {a.k_new, new_k.data(), new_k.size(), "cuMemcpyHtoD(k_new)"},
+            {a.v_new, new_v.data(), new_v.size(), "cuMemcpyHtoD(v_new)"},
             {a.cache_seqlens, lengths.data(), lengths.size() * 4, "cuMemcpyHtoD(cache_seqlens)"}};
         for (const auto& [to, from, bytes, what] : uploads) {
             if (fagen::Status s = cu.check(cu.memcpy_htod(to, from, bytes), what); !s.ok()) return fail(s.message());
@@ -273,8 +310,7 @@ int main(int argc, char** argv) {
     }
     auto merged = check_merge(*bundle, cu, a, table, lengths, per_row, o, out_bits);
     if (!merged.ok()) return fail(merged.status().message());
-    for (CUdeviceptr pointer : {a.q, a.out, a.k, a.v, a.block_table, a.cache_seqlens, a.workspace, a.k_new, a.v_new, a.lse})
-        cu.mem_free(pointer);
+    for (const auto& [pointer, bytes] : allocations) cu.mem_free(*pointer);
     const bool ok = worst <= o.tolerance && merged.value() <= o.tolerance;
     std::printf("%s: worst step error %.3g, merge error %.3g, tolerance %.3g\n", ok ? "OK" : "FAILED", worst,
                 merged.value(), o.tolerance);

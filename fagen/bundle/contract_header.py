@@ -8,10 +8,10 @@ import string
 from ..contract import (
     ACCUM_BOX_COLUMNS, ACCUM_BYTES, ALIGNMENT_BYTES, BWD_CONVERT_SUFFIX, BWD_PREPROCESS_SUFFIX,
     BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMPANION_ROWS_PER_CTA, COMPANION_THREADS,
-    DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
+    CACHE_DTYPE_SEPARATOR, DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
     MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
-    kernel_key, output_dtype, stride_multiple, tma_box_columns, variant_name,
+    dtypes_name, kernel_key, output_dtype, stride_multiple, tma_box_columns, variant_name,
 )
 
 CONTRACT_HEADER = "include/fagen/contract.h"
@@ -193,6 +193,12 @@ def render_contract_header() -> str:
         "    std::string variant = mask;",
         *(f'    if ({mod}) variant += "+{mod}";' for mod in SCORE_MODS),
         "    return variant;",
+        "}",
+        "/* dtypes_name: q's element type, and the K/V cache's after a `" + CACHE_DTYPE_SEPARATOR + "` where it differs",
+        "   (empty: the same), e.g. \"" + dtypes_name("bf16", "e4m3") + "\". */",
+        "inline std::string dtypes_name(const std::string& dtype, const std::string& kv_dtype) {",
+        "    if (kv_dtype.empty() || kv_dtype == dtype) return dtype;",
+        f"    return dtype + \"{CACHE_DTYPE_SEPARATOR}\" + kv_dtype;",
         "}",
         "/* head_dims_name: q/k's head dim, and v's after a `v` where it differs (0: the same). */",
         "inline std::string head_dims_name(int head_dim, int head_dim_v) {",

@@ -22,6 +22,7 @@ def build_context(spec: KernelSpec) -> dict:
         "spec_json": json.dumps(spec.model_dump(mode="json"), sort_keys=True),
         "template_path": f"templates/kernels/{spec.TEMPLATE}",
         "element_type": C_ELEMENT_TYPES[spec.dtype],
+        "cache_element_type": C_ELEMENT_TYPES[spec.kv_dtype or spec.dtype],
         "output_type": C_ELEMENT_TYPES[contract.output_dtype(spec.dtype)],
         "constexprs": spec.constexprs(),
         "mask_type": spec.mask_type,

@@ -227,6 +227,10 @@ class KernelSpec(BaseModel):
     # The element types (contract.DTYPES) the algorithm's kernels take, and why not the others.
     DTYPES: ClassVar[tuple[str, ...]] = ("fp16", "bf16")
     WHY_DTYPES: ClassVar[str] = "e4m3 (FP8) runs on the FA3 forward (fa_version 3, sm90a) only"
+    # The K/V element types (contract.CACHE_DTYPES) the algorithm reads besides dtype, and why not.
+    KV_DTYPES: ClassVar[tuple[str, ...]] = ()
+    WHY_KV_DTYPES: ClassVar[str] = ("an e4m3 cache under fp16 / bf16 queries is read by the split-KV "
+                                    "kernels (fa_version 2, layout paged) only")
 
     fa_version: int = Field(description="the algorithm: 1-4 (FlashAttention's versions; with "
                             "`direction` it picks the template, below)")
@@ -238,6 +242,10 @@ class KernelSpec(BaseModel):
         description="the element type of q, k, v, the output and the gradients: fp16, bf16, or "
         "e4m3 (FP8, the FA3 forward only: q, k and v in e4m3 with descales given at run time, "
         "the output in bf16)")
+    kv_dtype: Literal[contract.DTYPES] | None = Field(
+        None, description="the element type of k and v where it differs from dtype: e4m3, an FP8 "
+        "KV cache under fp16 / bf16 queries (layout paged, fa_version 2; its descales given at run "
+        "time, the output in dtype); omit for k and v of dtype")
     head_dim: int = Field(description="q and k's last dimension (and v's, unless head_dim_v)")
     head_dim_v: int | None = Field(
         None, description="v's and the output's last dimension where it differs from head_dim "
@@ -296,6 +304,8 @@ class KernelSpec(BaseModel):
             data.pop("custom_mask", None)
         if data.get("layout") == contract.LAYOUTS[0]:
             data.pop("layout", None)
+        if data.get("kv_dtype") is None:
+            data.pop("kv_dtype", None)
         if data.get("mask") in ("full", "causal"):
             data["causal"] = data.pop("mask") == "causal"
         return data
@@ -348,8 +358,13 @@ class KernelSpec(BaseModel):
             cls._check_dtype(dtype)
         else:
             return data  # field validation names it
+        kv_dtype = data.get("kv_dtype")
+        if kv_dtype is not None and kv_dtype != dtype:
+            if kv_dtype not in contract.DTYPES:
+                return data  # field validation names it
+            cls._check_kv_dtype_of(kv_dtype)
         tile = resolve_tile(cls, arch, head_dim, mask, data.get("max_seqlen_k"), score, head_dim_v,
-                            data.get("layout", contract.LAYOUTS[0]), dtype)
+                            data.get("layout", contract.LAYOUTS[0]), contract.dtypes_name(dtype, kv_dtype))
         return {**data, "tile": tile.model_dump()}
 
     @classmethod
@@ -403,6 +418,21 @@ class KernelSpec(BaseModel):
                              f"{', '.join(cls.DTYPES)} ({cls.WHY_DTYPES})")
         return value
 
+    @classmethod
+    def _check_kv_dtype_of(cls, value: str) -> str:
+        if value not in cls.KV_DTYPES:
+            takes = " or ".join(("dtype's",) + cls.KV_DTYPES)
+            raise ValueError(f"kv_dtype={value}: fa_version={cls.FA_VERSION} {cls.DIRECTION} reads k and v "
+                             f"of {takes} element ({cls.WHY_KV_DTYPES})")
+        return value
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _check_kv_dtype(cls, value: str | None, info) -> str | None:
+        if value is None or value == info.data.get("dtype"):
+            return None  # k and v of dtype: spelled once, so that the kernel's name stays
+        return cls._check_kv_dtype_of(value)
+
     @field_validator("mask")
     @classmethod
     def _check_mask(cls, value: str) -> str:
@@ -451,13 +481,18 @@ class KernelSpec(BaseModel):
     @staticmethod
     def geometry_of(head_dim: int, tile: TileBase, head_dim_v: int | None = None, dtype: str = "bf16"):
         """The algorithm's derived constants and limits for the head dims, a tile and the
-        element type (the tuning table asks before a spec exists)."""
+        element types (contract.dtypes_name; the tuning table asks before a spec exists)."""
         raise NotImplementedError
 
     @property
+    def dtypes(self) -> str:
+        """q's element type, and k's and v's where they differ (contract.dtypes_name)."""
+        return contract.dtypes_name(self.dtype, self.kv_dtype)
+
+    @property
     def geometry(self):
-        """geometry_of this spec's head dims, tile and element type."""
-        return self.geometry_of(self.head_dim, self.tile, self.head_dim_v, self.dtype)
+        """geometry_of this spec's head dims, tile and element types."""
+        return self.geometry_of(self.head_dim, self.tile, self.head_dim_v, self.dtypes)
 
     @property
     def value_dim(self) -> int:
@@ -504,7 +539,7 @@ class KernelSpec(BaseModel):
         bound = "" if self.max_seqlen_k is None else f"_upto{self.max_seqlen_k}"
         layout = "" if self.layout == contract.LAYOUTS[0] else f"_{self.layout}"
         return (
-            f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtype}_"
+            f"fa{self.fa_version}_{self.direction}_{self.arch.value}_{self.dtypes.replace('-', '_')}_"
             f"hd{contract.head_dims_name(self.head_dim, self.head_dim_v)}_"
             f"{self.variant.replace('+', '_')}{layout}_{self.tile.short}{bound}_{self.short_hash}"
         )
@@ -513,7 +548,7 @@ class KernelSpec(BaseModel):
     def lookup_key(self) -> str:
         """What a caller asks for (architecture aside): the runtime matches this exactly."""
         return contract.kernel_key(self.direction, self.dtype, self.head_dim, self.mask_name, self.score,
-                                   self.head_dim_v, self.layout)
+                                   self.head_dim_v, self.layout, self.kv_dtype)
 
     @property
     def mask_name(self) -> str:

@@ -115,10 +115,10 @@ class Fa2Geometry(TileGeometry):
         return out
 
 
-def row_pitch_bytes(head_dim: int) -> int:
+def row_pitch_bytes(head_dim: int, element_bytes: int = ELEMENT_BYTES) -> int:
     """A shared-memory row of `head_dim` elements and one 16-byte vector of padding (an odd
     number of vectors: ldmatrix and cp.async conflict-free without a swizzle)."""
-    return head_dim * ELEMENT_BYTES + VECTOR_BYTES
+    return head_dim * element_bytes + VECTOR_BYTES
 
 
 def mma_sync_head_dim_problem(head_dim: int, kernel: str) -> str | None:

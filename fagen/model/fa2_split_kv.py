@@ -14,31 +14,39 @@ the tensor cores': one query row per 128-row tile and one CTA per (batch row, he
   grid would not fill the GPU otherwise (contract.split_count), and the combine entry point
   merges their normalised partial results;
 - the cache: each batch row's length at run time (seqused_k), its keys contiguous or in pages
-  through a block table (a block of block_n keys never crosses a page: page sizes are multiples
-  of block_n), its queries dense or packed (cu_seqlens_q).
+  through a block table (looked up per 16 keys, which never cross a page: page sizes are
+  multiples of 16), its queries dense or packed (cu_seqlens_q).
 
 The mask is a band (mask: local, structure): full and causal are bands whose edges the host
 sets (contract.banded), so one kernel serves the three.
+
+An e4m3 cache (kv_dtype: e4m3, under fp16 / bf16 queries) halves the bytes a decode reads; its
+rows land in shared memory as they are and widen to the queries' type in registers, exactly, by
+moving bits (no conversion instruction: sm80 reads it too). The widening pairs the columns of a
+lane's ldmatrix (split_kv.cuh says how), which asks for head dims that are multiples of 32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from .. import contract
-from .arch import MAX_REGISTERS_PER_THREAD, Arch
+from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
 from .base import Constexpr, KernelSpec, TileBase
 from .fa2 import MMA_M, WARP_CHOICES, head_dim_problem, row_pitch_bytes
-from .layout import TileGeometry, smem_limit_problems
+from .layout import ELEMENT_BYTES, TileGeometry, smem_limit_problems
 from .tuning import TuningRow
 
 # Packed query rows per CTA: one m16 tile, which every warp multiplies by its own keys.
 BLOCK_M = MMA_M
-BLOCK_N = 16  # keys per warp step: one k16 step of P V (Fa2SplitKvTile.STRUCTURE says why)
+# Keys per block-table lookup: the page-size multiple (vLLM's pages are 16 keys); a warp's
+# step of block_n keys looks up block_n / LOOKUP_ROWS pages.
+LOOKUP_ROWS = contract.PAGE_SIZE_MULTIPLE
+BLOCK_N_CHOICES = (16, 32)
 STAGE_RANGE = (2, 8)
 FP32_BYTES = 4
 # Registers beyond the O and S accumulators: addresses, the row state of two rows, the ring's
@@ -47,15 +55,20 @@ REGISTER_OVERHEAD = 48
 # A split is worth its partial writes and the combine's reads from this many steps per warp on:
 # below it, the ring's first loads are most of a CTA's time.
 MIN_SPLIT_STEPS_PER_WARP = 4
+# The launch bound's CTAs per SM: as many as shared memory lets an SM hold, at most this. Without
+# it ptxas may cap a 128-thread kernel at 128 registers, as if four CTAs could share an SM, and
+# spill (sm80, head dim 128, an e4m3 cache: 4 bytes at 128 registers).
+MAX_BOUND_CTAS_PER_SM = 2
+# An e4m3 cache's ldmatrix.x4 takes two 16-column chunks of a row (split_kv.cuh).
+E4M3_CACHE_HEAD_DIM_MULTIPLE = 32
 
 
 class Fa2SplitKvTile(TileBase):
     ALGORITHM: ClassVar[str] = "fa2 fwd paged"
-    # Keys per warp step: the smallest page size (vLLM's 16), so that a step never crosses a
-    # page. 32-key steps measured 0-4 % faster at head dim 64 (2026-12-02) but would refuse
-    # 16-key pages.
-    STRUCTURE: ClassVar[dict] = {"block_n": BLOCK_N}
 
+    # Always in the canonical dump (it was the kernels' structure, 16, before it was a field).
+    block_n: int = Field(16, description="keys per warp step (16 or 32), looked up in runs of 16: "
+                         "any page size that is a multiple of 16 serves")
     warps: int = Field(gt=0, description="warps per CTA, each with its own keys and ring")
     stages: int = Field(gt=0, description="K/V slots in each warp's ring (loads in flight: "
                         "stages - 1)")
@@ -65,28 +78,38 @@ class Fa2SplitKvTile(TileBase):
         return BLOCK_M
 
     @property
-    def block_n(self) -> int:
-        return BLOCK_N
-
-    @property
     def sizes(self) -> str:
-        return f"m{BLOCK_M}n{BLOCK_N}w{self.warps}s{self.stages}"
+        return f"m{BLOCK_M}n{self.block_n}w{self.warps}s{self.stages}"
 
 
 @dataclass(frozen=True)
 class Fa2SplitKvGeometry(TileGeometry):
+    cache_element_bytes: int = field(default=ELEMENT_BYTES, kw_only=True)  # k's and v's
+
+    @property
+    def q_row_pitch_bytes(self) -> int:
+        """Q rows (FA2's padded pitch: ldmatrix and cp.async conflict-free)."""
+        return row_pitch_bytes(self.head_dim, self.element_bytes)
+
     @property
     def row_pitch_bytes(self) -> int:
-        """Q and K rows (FA2's padded pitch: ldmatrix and cp.async conflict-free)."""
-        return row_pitch_bytes(self.head_dim)
+        """K rows, of the cache's element."""
+        return row_pitch_bytes(self.head_dim, self.cache_element_bytes)
 
     @property
     def v_row_pitch_bytes(self) -> int:
-        return row_pitch_bytes(self.head_dim_v)
+        return row_pitch_bytes(self.head_dim_v, self.cache_element_bytes)
+
+    @property
+    def q_maxima_offset(self) -> int:
+        """Where an e4m3 cache's kernel meets its warps' largest |q| (after the Q rows)."""
+        return BLOCK_M * self.q_row_pitch_bytes
 
     @property
     def smem_q_bytes(self) -> int:
-        return BLOCK_M * self.row_pitch_bytes
+        """The Q rows, and with an e4m3 cache a float per warp, padded to 16 bytes."""
+        maxima = -(-self.warps * FP32_BYTES // 16) * 16 if self.cache_element_bytes == 1 else 0
+        return self.q_maxima_offset + maxima
 
     @property
     def smem_warp_stage_bytes(self) -> int:
@@ -124,10 +147,16 @@ class Fa2SplitKvGeometry(TileGeometry):
         out: list[str] = []
         if problem := head_dim_problem(self.head_dim):
             out.append(problem)
+        if self.block_n not in BLOCK_N_CHOICES:
+            out.append(f"tile.block_n={self.block_n}: must be one of {BLOCK_N_CHOICES}")
         if self.warps not in WARP_CHOICES:
             out.append(f"tile.warps={self.warps}: must be one of {WARP_CHOICES}")
         if not (STAGE_RANGE[0] <= self.stages <= STAGE_RANGE[1]):
             out.append(f"tile.stages={self.stages}: must be in [{STAGE_RANGE[0]}, {STAGE_RANGE[1]}]")
+        if self.cache_element_bytes == 1 and (self.head_dim % E4M3_CACHE_HEAD_DIM_MULTIPLE
+                                              or self.head_dim_v % E4M3_CACHE_HEAD_DIM_MULTIPLE):
+            out.append(f"{self.head_dims}: an e4m3 cache takes head dims that are multiples of "
+                       f"{E4M3_CACHE_HEAD_DIM_MULTIPLE}")
         if out:
             return out
         out.extend(smem_limit_problems(self, max_smem))
@@ -142,6 +171,8 @@ def split_kv_value_dim_rule(head_dim: int, head_dim_v: int) -> str | None:
         return problem
     return None
 
+
+E4M3_CACHE = ("fp16-e4m3", "bf16-e4m3")  # the rows' dtypes (contract.dtypes_name)
 
 # Tiles: a stream of K/V rows, two CTAs per SM where they fit. From bench.decode --sweep on the
 # H200 (2026-12-02; bf16, 32:8 heads, GB/s at batch 1 / 64k keys, 64 / 4k, 64 / 1k): loads in
@@ -160,6 +191,21 @@ TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa2SplitKvTile(warps=4, stages=2), 256,
               "3522 / 4092 / 3575 GB/s (140 KB, one CTA per SM; fits sm80's 163 KB); 3 stages "
               "3499 / 4011 / 3479, 2 warps with 4 stages 3411 / 3971 / 3436"),
+    # An e4m3 cache: a slot holds half the bytes. From bench.decode --sweep on the H200
+    # (2026-12-04; bf16 queries, 32:8 heads, K/V tokens per second as GB/s of bf16 at batch 1 /
+    # 64k keys, 64 / 4k, 64 / 16k): 32-key steps pay at head dim 128, where half the bytes per
+    # key left the per-step work a larger share.
+    TuningRow(Fa2SplitKvTile(warps=4, stages=8), 64,
+              "2516 / 5059 / 6020 (83 KB, 2 CTAs per SM); 32-key steps with 8 warps and 4 stages "
+              "2794 / 4831 / 6025 but 0.79x at batch 64 / 1k keys, with 4 warps 2785 / 5106 / 5582",
+              dtypes=E4M3_CACHE),
+    TuningRow(Fa2SplitKvTile(block_n=32, warps=4, stages=3), 128,
+              "4358 / 6943 / 7825 (112 KB, 2 CTAs per SM); 16-key steps with 5 stages 3859 / 6551 / "
+              "7306, 32-key steps with 8 warps 4263 / 6463 / 7785", dtypes=E4M3_CACHE),
+    TuningRow(Fa2SplitKvTile(warps=4, stages=5), 128, "fallback for 99 KB parts (94 KB)", dtypes=E4M3_CACHE),
+    TuningRow(Fa2SplitKvTile(warps=4, stages=2), 256,
+              "5236 / 7575 / 8194 (76 KB, 2 CTAs per SM); 3 stages 4948 / 7505 / 8071, 32-key steps "
+              "5555 / 7365 / 8112", dtypes=E4M3_CACHE),
 )
 
 
@@ -171,6 +217,7 @@ class Fa2SplitKvSpec(KernelSpec):
     WHY_MASKS: ClassVar[str] = ("its mask is a band whose edges the call sets: full and causal "
                                 "are bands too, so one local kernel serves all three")
     LAYOUTS: ClassVar[tuple[str, ...]] = ("paged",)
+    KV_DTYPES: ClassVar[tuple[str, ...]] = ("e4m3",)
     FA_VERSION: ClassVar[int] = 2
     DIRECTION: ClassVar[str] = "fwd"
     TEMPLATE: ClassVar[str] = "fa2_fwd_paged_sm80.cu.j2"
@@ -188,20 +235,26 @@ class Fa2SplitKvSpec(KernelSpec):
 
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa2SplitKvTile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa2SplitKvGeometry:
-        return Fa2SplitKvGeometry(head_dim, BLOCK_M, BLOCK_N, tile.warps, tile.stages,
+        q_dtype, kv_dtype = contract.parse_dtypes(dtype)
+        return Fa2SplitKvGeometry(head_dim, BLOCK_M, tile.block_n, tile.warps, tile.stages,
                                   head_dim_v=head_dim_v,
-                                  element_bytes=contract.DTYPE_BYTES[dtype])
+                                  element_bytes=contract.DTYPE_BYTES[q_dtype],
+                                  cache_element_bytes=contract.DTYPE_BYTES[kv_dtype])
 
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [
             Constexpr("kBlockM", BLOCK_M),
             Constexpr("kBlockN", g.block_n),
+            Constexpr("kLookupRows", LOOKUP_ROWS),
             Constexpr("kWarps", g.warps),
             Constexpr("kThreads", g.threads),
+            Constexpr("kMinCtasPerSm", self.bound_ctas_per_sm),
             Constexpr("kStages", g.stages),
+            Constexpr("kQRowPitchBytes", g.q_row_pitch_bytes),
             Constexpr("kRowPitchBytes", g.row_pitch_bytes),
             Constexpr("kVRowPitchBytes", g.v_row_pitch_bytes),
+            Constexpr("kQMaximaOffset", g.q_maxima_offset),
             Constexpr("kSmemQBytes", g.smem_q_bytes),
             Constexpr("kSmemWarpStageBytes", g.smem_warp_stage_bytes),
             Constexpr("kSmemRingBytes", g.smem_ring_bytes),
@@ -210,6 +263,13 @@ class Fa2SplitKvSpec(KernelSpec):
             Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
             Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
         ]
+
+    @property
+    def bound_ctas_per_sm(self) -> int:
+        """The launch bound's CTAs per SM (MAX_BOUND_CTAS_PER_SM says why); a block's shared
+        memory limit stands in for the SM's (1 KB apart)."""
+        fit = ARCHS[self.arch].max_smem_per_block // self.geometry.smem_bytes
+        return max(1, min(MAX_BOUND_CTAS_PER_SM, fit))
 
     def launch(self) -> contract.Launch:
         g = self.geometry

@@ -75,6 +75,9 @@ class Problem:
     # contract.LAYOUTS: paged is a call over a KV cache (fagen.runtime.kvcache), whose seqlen_q
     # and seqlen_k are the longest row's and the cache's capacity per row.
     layout: str = contract.LAYOUTS[0]
+    # k's and v's element where it differs from dtype (None: dtype): an e4m3 KV cache under
+    # fp16 / bf16 queries (the paged layout; contract.CACHE_DTYPES).
+    kv_dtype: str | None = None
 
     @property
     def mask(self) -> contract.Mask:
@@ -92,7 +95,12 @@ class Problem:
 
     def direction_key(self, direction: str) -> str:
         return contract.kernel_key(direction, self.dtype, self.head_dim, self.mask.kind, self.score.mods,
-                                   self.head_dim_v, self.layout)
+                                   self.head_dim_v, self.layout, self.kv_dtype)
+
+    @property
+    def cache_dtype(self) -> str:
+        """k's and v's element type."""
+        return self.kv_dtype or self.dtype
 
     @property
     def key(self) -> str:
@@ -196,10 +204,13 @@ def check_problem(problem: Problem) -> None:
     if problem.dtype == e4m3.E4M3 and (
             found := e4m3.call_problem("fwd", problem.layout, problem.score.mods, problem.mask_mod)):
         raise AttentionError(found)
+    if problem.cache_dtype != problem.dtype and (
+            found := e4m3.cache_problem(problem.dtype, problem.cache_dtype, problem.layout)):
+        raise AttentionError(found)
 
 
 def _check_descales(problem: Problem, descales: Descales | None) -> None:
-    if found := e4m3.descales_problem(problem.dtype, descales):
+    if found := e4m3.descales_problem(problem.dtype, descales, problem.kv_dtype):
         raise AttentionError(found)
 
 

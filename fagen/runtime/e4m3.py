@@ -7,6 +7,10 @@ as flash-attn's Hopper interface does; the output is bf16 (contract.output_dtype
 is an fp32 device array read at [b * batch_stride + kv_head * head_stride] (kv_head: the K/V
 head that a query head reads; flash-attn's descales are (batch, nheads_kv), q's too); strides 0
 broadcast a single value, and a null address is 1.0 (FagenFwdParams q_descale ...).
+
+An e4m3 KV cache under fp16 / bf16 queries (a paged-layout call's kv_dtype, contract.CACHE_DTYPES)
+takes the same descales: k's and v's for the cache, q's where the queries were scaled too; its
+output is the queries' type.
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ class Descales:
         return fields
 
 
-def descales_problem(dtype: str, descales: Descales | None) -> str | None:
-    """Why a call of element `dtype` cannot take `descales`, or None. Only e4m3 elements have
-    descales (an empty Descales is none); an address must be 4-byte aligned (an fp32 array), a
-    stride >= 0."""
+def descales_problem(dtype: str, descales: Descales | None, kv_dtype: str | None = None) -> str | None:
+    """Why a call of element `dtype` (and K/V cache element `kv_dtype`, None: dtype) cannot take
+    `descales`, or None. Only calls with e4m3 elements have descales (an empty Descales is
+    none); an address must be 4-byte aligned (an fp32 array), a stride >= 0."""
     if descales is None or descales == Descales():
         return None
-    if dtype != E4M3:
+    if E4M3 not in (dtype, kv_dtype):
         return (f"descales: for e4m3 problems only; a {dtype} problem's elements are its values "
                 "(give the call no descales)")
     for t in _TENSORS:
@@ -65,6 +69,21 @@ def descales_problem(dtype: str, descales: Descales | None) -> str | None:
             if stride < 0:
                 return (f"descales.{t}_{dim}_stride={stride}: must be >= 0 (in floats; 0 gives "
                         "every index the same value)")
+    return None
+
+
+def cache_problem(dtype: str, kv_dtype: str, layout: str) -> str | None:
+    """Why no kernel reads a K/V cache of element `kv_dtype` under queries of `dtype` (they
+    differ), or None."""
+    if kv_dtype not in contract.CACHE_DTYPES:
+        return (f"kv_dtype {kv_dtype!r}: k and v are q's type ({dtype}) or, in a KV cache, "
+                f"{' or '.join(contract.CACHE_DTYPES)}")
+    if layout != "paged":
+        return (f"kv_dtype {kv_dtype}: a K/V element other than q's is a KV cache's (the paged layout, "
+                f"flash_attn_with_kvcache), not the {layout} layout's")
+    if dtype not in ("fp16", "bf16"):
+        return (f"kv_dtype {kv_dtype} under {dtype} queries: the cache kernels take fp16 or bf16 "
+                "queries (e4m3 queries convert to bf16 exactly; their q_descale still applies)")
     return None
 
 

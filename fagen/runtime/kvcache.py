@@ -18,8 +18,9 @@ from .. import contract
 from ..abi import FwdParams
 from ..contract import MAX_GRID_YZ, KernelEntry
 from . import driver
-from .call import (AttentionError, Problem, ScoreTensors, Tensor, _blob_array, _check_entry, _check_score_tensors,
-                   _check_tensor, _map_tensor, _tensor_map, check_problem, fwd_params)
+from .call import (AttentionError, Problem, ScoreTensors, Tensor, _blob_array, _check_descales, _check_entry,
+                   _check_score_tensors, _check_tensor, _map_tensor, _tensor_map, check_problem, fwd_params)
+from .e4m3 import Descales
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid
 
 # The algorithms of the paged layout's kernels: the split-KV decode kernels (grid `splits`,
@@ -111,10 +112,10 @@ def _check_cache(problem: Problem, cache: KvCache, entry: KernelEntry) -> None:
         if getattr(cache, name) % 4:
             raise AttentionError(f"{name}: an int32 device array, 4-byte aligned")
     if cache.block_table:
-        block_n = entry.launch.block_n if entry.launch.grid == "splits" else contract.CACHE_TMA_BOX_ROWS
-        if cache.page_size <= 0 or cache.page_size % block_n:
-            raise AttentionError(f"page_size={cache.page_size}: must be a positive multiple of {block_n} "
-                                 f"(kernel {entry.name} reads {block_n} keys at a time, within one page)")
+        multiple = contract.PAGE_SIZE_MULTIPLE
+        if cache.page_size <= 0 or cache.page_size % multiple:
+            raise AttentionError(f"page_size={cache.page_size}: must be a positive multiple of {multiple} "
+                                 f"(kernel {entry.name} reads runs of {multiple} keys, each within one page)")
         if cache.pages <= 0:
             raise AttentionError(f"pages={cache.pages}: the cache needs at least one page")
         if cache.block_table_batch_stride * cache.page_size < problem.seqlen_k:
@@ -162,11 +163,12 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
                     cache: KvCache, softmax_scale: float | None = None, device: int = 0,
                     num_splits: int = 0, entry: KernelEntry | None = None,
                     score_tensors: ScoreTensors = ScoreTensors(),
-                    new_keys: NewKeys | None = None) -> PreparedKvCacheAttention:
+                    new_keys: NewKeys | None = None, descales: Descales | None = None) -> PreparedKvCacheAttention:
     """Check a paged-layout call (problem.layout == "paged"; seqlen_q: the longest row's query
     tokens, seqlen_k: the most keys a row may have, the cache's capacity), pick its kernel and
     split count (`num_splits` 0: contract.split_count; n: n) and build its launch; `new_keys`
-    are appended into the cache first (the append entry point, same stream). Raises
+    (of the cache's element type) are appended into the cache first (the append entry point,
+    same stream); `descales`: an e4m3 cache's (problem.kv_dtype; None: 1.0). Raises
     AttentionError, KernelNotFound, ScaleError like fagen.runtime.call.prepare."""
     if problem.layout != "paged":
         raise AttentionError(f"layout {problem.layout!r}: a KV-cache call has the paged layout")
@@ -176,6 +178,7 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     if problem.mask_mod is not None:
         raise AttentionError("the paged layout takes the built-in masks only (causal, window_size)")
     _check_score_tensors(problem, score_tensors)
+    _check_descales(problem, descales)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= contract.MAX_SPLITS:
         raise AttentionError(f"num_splits={num_splits!r}: 0 (chosen from the shapes) or 1..{contract.MAX_SPLITS}")
     scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
@@ -183,9 +186,12 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
     _check_entry(entry, problem.key)
     _check_cache(problem, cache, entry)
     tiles = entry.launch.grid != "splits"
+    dtypes = {"q": problem.dtype, "k": problem.cache_dtype, "v": problem.cache_dtype,
+              "out": contract.output_dtype(problem.dtype)}
     for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
         packed = cache.cu_seqlens_q and name in ("q", "out")
-        _check_tensor(name, _map_tensor(tensor, cache.total_q) if packed else tensor, tiles and name != "out")
+        _check_tensor(name, _map_tensor(tensor, cache.total_q) if packed else tensor, tiles and name != "out",
+                      dtypes[name])
     if new_keys is not None:
         _check_new_keys(problem, cache, new_keys)
     if tiles:
@@ -199,7 +205,7 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
         num_splits = _split_count(entry, problem, device, one_split)
     grid = launch_grid(entry, problem.seqlen_q, problem.heads_q, problem.batch, device,
                        problem.seqlen_k, problem.heads_kv, num_splits)
-    params, append_grid = _serving_params(problem, q, k, v, out, cache, scale, score_tensors, new_keys)
+    params, append_grid = _serving_params(problem, q, k, v, out, cache, scale, score_tensors, new_keys, descales)
     params.num_splits = num_splits
     workspace = contract.SplitWorkspace.of(num_splits, problem.batch, problem.seqlen_q, problem.heads_q,
                                            problem.value_dim)
@@ -210,9 +216,10 @@ def prepare_kvcache(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: T
 
 def _serving_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor, cache: KvCache,
                     scale: contract.KernelScale, score_tensors: ScoreTensors,
-                    new_keys: NewKeys | None) -> tuple[FwdParams, tuple[int, int, int] | None]:
+                    new_keys: NewKeys | None, descales: Descales | None = None,
+                    ) -> tuple[FwdParams, tuple[int, int, int] | None]:
     """FagenFwdParams of a paged-layout call (one split), and the append's grid (None: no new keys)."""
-    params = fwd_params(problem, q, k, v, out, scale, score_tensors)
+    params = fwd_params(problem, q, k, v, out, scale, score_tensors, descales=descales)
     if cache.cu_seqlens_q:
         params.q_batch_stride = params.o_batch_stride = 0
         params.lse_batch_stride, params.lse_head_stride = 0, cache.total_q
@@ -271,4 +278,4 @@ def _check_new_keys(problem: Problem, cache: KvCache, new_keys: NewKeys) -> None
         raise AttentionError(f"seqlen_new={new_keys.seqlen_new} new keys do not fit a cache of seqlen_k="
                              f"{problem.seqlen_k} keys per row")
     for name, tensor in (("k_new", new_keys.k), ("v_new", new_keys.v)):
-        _check_tensor(name, tensor, False)
+        _check_tensor(name, tensor, False, problem.cache_dtype)

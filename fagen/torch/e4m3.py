@@ -52,19 +52,21 @@ def _broadcasts(shape: tuple, batch: int, heads_kv: int) -> bool:
     return len(shape) == 2 and shape[0] in (1, batch) and shape[1] in (1, heads_kv)
 
 
-def check_descales(q: torch.Tensor, k: torch.Tensor, descales: tuple) -> None:
+def check_descales(q: torch.Tensor, k: torch.Tensor, descales: tuple, batch: Optional[int] = None,
+                   caller: str = "fagen.flash_attn_func") -> None:
     """flash-attn's descale shapes (also run at trace time): fp32 on q's device, of shape
-    (batch, nheads_kv) or one that broadcasts to it (_broadcasts)."""
-    batch, heads_kv = q.shape[0], k.shape[2]
+    (batch, nheads_kv) or one that broadcasts to it (_broadcasts). batch: q.shape[0] unless given
+    (a packed q's rows are not its batch)."""
+    batch, heads_kv = q.shape[0] if batch is None else batch, k.shape[2]
     for name, t in zip(DESCALE_NAMES, descales):
         if t is None:
             continue
         if t.dtype != torch.float32 or not _broadcasts(tuple(t.shape), batch, heads_kv):
-            raise ValueError(f"fagen.flash_attn_func: {name} must be a float32 tensor of shape (batch, nheads_kv) = "
+            raise ValueError(f"{caller}: {name} must be a float32 tensor of shape (batch, nheads_kv) = "
                              f"({batch}, {heads_kv}) or one that broadcasts to it: (), (1,), (1, 1), "
                              f"(1, nheads_kv), (batch, 1); got {t.dtype} {tuple(t.shape)}")
         if t.device != q.device:
-            raise ValueError(f"fagen.flash_attn_func: {name} must be on q's device {q.device}, got {t.device}")
+            raise ValueError(f"{caller}: {name} must be on q's device {q.device}, got {t.device}")
 
 
 def runtime_descales(descales: tuple[Optional[torch.Tensor], ...]) -> Descales:

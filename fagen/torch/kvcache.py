@@ -1,5 +1,6 @@
 """flash_attn_with_kvcache: flash-attn's decoding call on fagen's paged-layout kernels
-(fagen.runtime.kvcache), and vLLM's shape of it (packed queries, a block table).
+(fagen.runtime.kvcache), and vLLM's shape of it (packed queries, a block table), over a cache of
+q's dtype or an FP8 (float8_e4m3fn) one with its descales.
 
 The call reads no device memory on the host and allocates only what the shapes decide, so a
 decoding step can be captured in a CUDA graph and replayed with new cache contents, lengths and
@@ -15,6 +16,7 @@ from .. import contract
 from ..runtime import driver
 from ..runtime import call as runtime_call
 from ..runtime import kvcache as runtime_kvcache
+from . import e4m3
 from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
 
 _NAME = "fagen.flash_attn_with_kvcache"
@@ -30,13 +32,14 @@ def _rows_ready(t: torch.Tensor, name: str, dims: int) -> torch.Tensor:
     the copy)."""
     if t.dim() != dims:
         raise _fail(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    multiple = contract.ALIGNMENT_BYTES // t.element_size()
     aligned = (t.stride(-1) == 1 and t.data_ptr() % contract.ALIGNMENT_BYTES == 0
-               and all(s % contract.STRIDE_MULTIPLE == 0 or size == 1 for s, size in zip(t.stride()[:-1], t.shape[:-1])))
+               and all(s % multiple == 0 or size == 1 for s, size in zip(t.stride()[:-1], t.shape[:-1])))
     if aligned:
         return t
     if name in ("k_cache", "v_cache"):
         raise _fail(f"{name} must have a contiguous last dimension, 16-byte aligned rows and strides in "
-                    f"multiples of {contract.STRIDE_MULTIPLE} elements (a copy would not see appends)")
+                    f"multiples of {multiple} elements (a copy would not see appends)")
     return t.contiguous()
 
 
@@ -83,6 +86,9 @@ def flash_attn_with_kvcache(
     scheduler_metadata: Optional[torch.Tensor] = None,
     return_softmax_lse: bool = False,
     return_lse: bool = False,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
     bundle=None,
     **flash_attn_options,
 ):
@@ -102,6 +108,12 @@ def flash_attn_with_kvcache(
     n; scheduler_metadata (get_scheduler_metadata's, made before a graph's capture) gives it
     when num_splits is 0. Returns out (like q, with v's head dim) and, with return_softmax_lse (or return_lse), the
     natural-log LSE (batch, nheads_q, seqlen_q), packed: (nheads_q, total_q). No gradient.
+
+    An FP8 cache: k_cache, v_cache (and k, v) in torch.float8_e4m3fn under float16 / bfloat16
+    q, each stored value times its descale (k_descale, v_descale: float32 (batch, nheads_kv) or
+    broadcasting to it, as flash-attn's; None: 1) being the value; the kernels read the cache's
+    bytes as they are. float8_e4m3fn q (with q_descale) runs as bfloat16 q (exact) and returns
+    bfloat16.
     """
     for name, value in flash_attn_options.items():
         off = {"rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None, "cache_leftpad": None,
@@ -113,11 +125,22 @@ def flash_attn_with_kvcache(
                         "cache rows in batch order)", NotImplementedError)
     if not isinstance(causal, bool):
         raise _fail(f"causal must be True or False, got {causal!r}", TypeError)
+    descales = (q_descale, k_descale, v_descale)
+    if q.dtype in e4m3.FP8_DTYPE_NAMES:
+        if k_cache.dtype not in e4m3.FP8_DTYPE_NAMES:
+            raise _fail(f"float8_e4m3fn q takes an FP8 cache (k_cache is {k_cache.dtype})", TypeError)
+        q = q.to(torch.bfloat16)  # exact; q_descale still applies in the kernel
     if q.dtype not in _DTYPE_NAMES:
-        raise _fail(f"q has dtype {q.dtype}; supported: float16, bfloat16", TypeError)
+        raise _fail(f"q has dtype {q.dtype}; supported: float16, bfloat16, float8_e4m3fn", TypeError)
+    fp8_cache = k_cache.dtype in e4m3.FP8_DTYPE_NAMES
+    cache_dtype = k_cache.dtype if fp8_cache else q.dtype
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and (t.dtype != q.dtype or t.device != q.device):
-            raise _fail(f"{name} must match q's dtype and device ({q.dtype}, {q.device})", TypeError)
+        if t is not None and (t.dtype != cache_dtype or t.device != q.device):
+            raise _fail(f"{name} must have the cache's dtype {cache_dtype} (q's, or float8_e4m3fn for an FP8 "
+                        f"cache; k, v new rows too) and q's device {q.device}; got {t.dtype}, {t.device}", TypeError)
+    if not fp8_cache and any(t is not None for t in descales):
+        raise _fail("q_descale, k_descale and v_descale are for an FP8 cache (float8_e4m3fn k_cache, v_cache): "
+                    f"this cache is {k_cache.dtype}; leave them None")
     if q.device.type != "cuda":
         raise _fail(f"the tensors must be on a CUDA device, got {q.device}")
     packed = cu_seqlens_q is not None
@@ -177,6 +200,8 @@ def flash_attn_with_kvcache(
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise _fail(f"num_splits must be an int, got {num_splits!r}", TypeError)
+    if fp8_cache:
+        e4m3.check_descales(q, k_cache, descales, batch, _NAME)
     try:
         contract.Score(float(softcap))
     except contract.ScoreError as error:
@@ -184,7 +209,8 @@ def flash_attn_with_kvcache(
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     bundle = bundle_argument(bundle)
-    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
+               *descales)
     options = (seqlen_q, capacity, causal, int(window_size[0]), int(window_size[1]), softmax_scale, float(softcap),
                num_splits, bundle)
     eager = eager_call(*tensors, k, v)
@@ -197,32 +223,37 @@ def flash_attn_with_kvcache(
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: Optional[torch.Tensor],
             block_table: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-            alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], seqlen_q: int,
-            capacity: int, causal: bool, window_left: int, window_right: int, softmax_scale: Optional[float],
-            softcap: float, num_splits: int, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+            alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+            q_descale: Optional[torch.Tensor], k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+            seqlen_q: int, capacity: int, causal: bool, window_left: int, window_right: int,
+            softmax_scale: Optional[float], softcap: float, num_splits: int,
+            bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of the checked call (the custom op fagen::flash_attn_kvcache): the kernels
     over the cache as it is."""
-    return _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
-                capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle)
+    return _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
+                (q_descale, k_descale, v_descale), seqlen_q, capacity, causal, window_left, window_right,
+                softmax_scale, softcap, num_splits, bundle)
 
 
 def _attend_appending(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                       cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                      learnable_sink: Optional[torch.Tensor], seqlen_q: int, capacity: int, causal: bool,
-                      window_left: int, window_right: int, softmax_scale: Optional[float], softcap: float,
-                      num_splits: int, bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                      learnable_sink: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+                      k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], seqlen_q: int,
+                      capacity: int, causal: bool, window_left: int, window_right: int,
+                      softmax_scale: Optional[float], softcap: float, num_splits: int,
+                      bundle: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The same after appending k, v (batch, seqlen_new, nheads_kv, d) into the cache at
     cache_seqlens, through its pages (the custom op fagen::flash_attn_kvcache_append, which
     writes k_cache and v_cache): one prepared launch, whose append entry point runs first and
     whose attention then sees cache_seqlens + seqlen_new keys per row."""
     return _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, alibi_slopes, learnable_sink,
-                seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle,
-                (k, v) if k.numel() else None)
+                (q_descale, k_descale, v_descale), seqlen_q, capacity, causal, window_left, window_right,
+                softmax_scale, softcap, num_splits, bundle, (k, v) if k.numel() else None)
 
 
-def _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
-         capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle, new=None):
+def _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, descales,
+         seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle, new=None):
     """Both ops: the runtime's prepared launch of the checked call (`new`: the keys and values
     it appends first), enqueued on the current stream."""
     packed = cu_seqlens_q is not None
@@ -239,7 +270,8 @@ def _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes
     problem = runtime_call.Problem(
         _DTYPE_NAMES[q.dtype], causal, batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
         (window_left, window_right), contract.Score(softcap, alibi_slopes is not None, learnable_sink is not None),
-        None if head_dim_v == head_dim else head_dim_v, layout="paged")
+        None if head_dim_v == head_dim else head_dim_v, layout="paged",
+        kv_dtype=e4m3.FP8_DTYPE_NAMES.get(k_cache.dtype))
     arrays, kept = _score_arrays(alibi_slopes, learnable_sink, None)
     cache = runtime_kvcache.KvCache(
         seqused_k=0 if seqused_k is None else seqused_k.data_ptr(),
@@ -257,7 +289,8 @@ def _run(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes
     with driver.primary_context(device):
         prepared = runtime_kvcache.prepare_kvcache(
             get_bundle(bundle), problem, _tensor(q), _tensor(k_cache), _tensor(v_cache), _tensor(out), cache,
-            softmax_scale, device, num_splits, score_tensors=arrays, new_keys=new_keys)
+            softmax_scale, device, num_splits, score_tensors=arrays, new_keys=new_keys,
+            descales=e4m3.runtime_descales(descales) if problem.kv_dtype else None)
         stream = _current_stream(device)
         if out.numel() == 0:  # no queries: the append alone
             prepared.enqueue_append(stream)
@@ -278,8 +311,9 @@ flash_attn_kvcache_append = torch.library.custom_op(
 
 
 @flash_attn_kvcache.register_fake
-def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, seqlen_q,
-                 capacity, causal, window_left, window_right, softmax_scale, softcap, num_splits, bundle):
+def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, q_descale,
+                 k_descale, v_descale, seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap,
+                 num_splits, bundle):
     packed = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     return (q.new_empty((*q.shape[:-1], v_cache.shape[3])),
@@ -324,17 +358,21 @@ def get_scheduler_metadata(
     CPU int32 tensor of one element. max_seqlen_k: the keys a row may reach (the cache's
     capacity per row, block_table.shape[1] * page_size for a paged one). fagen's choice depends
     on these shapes and the GPU alone (never on cache_seqlens' values), so the count holds for
-    every replay; num_splits > 0 is returned as given."""
+    every replay; num_splits > 0 is returned as given. qkv_dtype: the cache's (float8_e4m3fn:
+    an FP8 cache, whose count is the same under float16 and bfloat16 queries)."""
     del cache_seqlens, cu_seqlens_q, page_size  # the count does not depend on them
+    kv_dtype = e4m3.FP8_DTYPE_NAMES.get(qkv_dtype)
+    if kv_dtype is not None:
+        qkv_dtype = torch.bfloat16
     if qkv_dtype not in _DTYPE_NAMES:
-        raise _fail(f"qkv_dtype {qkv_dtype}; supported: float16, bfloat16", TypeError)
+        raise _fail(f"qkv_dtype {qkv_dtype}; supported: float16, bfloat16, float8_e4m3fn", TypeError)
     if num_splits:
         return torch.tensor([num_splits], dtype=torch.int32)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     problem = runtime_call.Problem(
         _DTYPE_NAMES[qkv_dtype], causal, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
         tuple(window_size), contract.Score(1.0 if has_softcap else 0.0),
-        None if headdim_v in (None, headdim) else headdim_v, layout="paged")
+        None if headdim_v in (None, headdim) else headdim_v, layout="paged", kv_dtype=kv_dtype)
     index = device.index if device.index is not None else torch.cuda.current_device()
     splits = runtime_kvcache.split_count_for(get_bundle(bundle), problem, index)
     return torch.tensor([splits], dtype=torch.int32)

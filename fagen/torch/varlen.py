@@ -232,6 +232,9 @@ def flash_attn_varlen_func(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
     bundle=None,
 ):
     """Attention over a batch of sequences of different lengths, packed (flash-attn's names and
@@ -245,7 +248,8 @@ def flash_attn_varlen_func(
 
     With block_table (vLLM's call): k and v are a paged KV cache (num_pages, page_size,
     nheads_kv, d), cu_seqlens_k must be None and seqused_k gives each sequence's cached keys;
-    it runs fagen.flash_attn_with_kvcache (no gradient).
+    it runs fagen.flash_attn_with_kvcache (no gradient), which also takes an FP8 cache with its
+    q_descale, k_descale and v_descale.
 
     Returns out (total_q, nheads_q, d_v) and, with return_lse, the natural-log LSE (nheads_q,
     total_q) in float32. dropout_p and return_attn_probs only at their off values.
@@ -274,7 +278,10 @@ def flash_attn_varlen_func(
             q, k, v, cache_seqlens=seqused_k, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal, window_size=window,
             softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, return_lse=return_lse,
-            bundle=bundle)
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, bundle=bundle)
+    if any(t is not None for t in (q_descale, k_descale, v_descale)):
+        raise _fail("q_descale, k_descale and v_descale are for an FP8 KV cache (with block_table); packed "
+                    "varlen q, k, v are float16 or bfloat16", NotImplementedError)
     if cu_seqlens_k is None:
         raise _fail("cu_seqlens_k is needed without a block_table")
     batch = cu_seqlens_q.numel() - 1

@@ -815,6 +815,12 @@ def refused_calls():
         "semaphore-bytes": ("semaphores", problem, tensors, None, {}, backward(problem)),
         "kvcache": ("kvcache", problem, tensors, None, {},
                     lambda bundle: call.check_problem(dataclasses.replace(problem, layout="paged"))),
+        "kvcache-fp16-cache-under-bf16": ("kvcache", bf16, tensors, None, {"kv_dtype": "fp16"},
+                                          lambda bundle: call.check_problem(
+                                              dataclasses.replace(bf16, layout="paged", kv_dtype="fp16"))),
+        "kvcache-descales-on-bf16-cache": ("kvcache", bf16, tensors, descale_on_bf16, {},
+                                           lambda bundle: call._check_descales(
+                                               dataclasses.replace(bf16, layout="paged"), descale_on_bf16)),
         "descales-on-bf16-backward": ("backward", bf16, tensors, descale_on_bf16, {},
                                       lambda bundle: call._check_descales(bf16, descale_on_bf16)),
     }

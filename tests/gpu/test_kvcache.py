@@ -349,6 +349,16 @@ def test_every_paged_kernel_of_the_bundle(bundle):
         key = contract.KernelKey.parse(entry.key)
         dtype = DTYPES[key.dtype]
         cache = Cache([0, 20, 700], 2, key.head_dim, dtype, 16, seed=key.head_dim)
+        cache_k, cache_v, descales = cache.k, cache.v, None
+        if key.kv_dtype == "e4m3":  # an FP8 cache: its bytes to the kernel, their values to the reference
+            stored = {}
+            for name in ("k", "v"):
+                x = getattr(cache, name).float()
+                descale = (x.abs().amax() / 448).reshape(1)
+                stored[name] = ((x / descale).clamp(-448, 448).to(torch.float8_e4m3fn), descale)
+                setattr(cache, name, stored[name][0].float() * descale)
+            (cache_k, k_descale), (cache_v, v_descale) = stored["k"], stored["v"]  # alive through the launch
+            descales = call.Descales(k=k_descale.data_ptr(), v=v_descale.data_ptr())
         q = torch.randn(3, 2, 8, key.head_dim, device="cuda", dtype=dtype)
         out = torch.full((3, 2, 8, key.head_dim), math.nan, device="cuda", dtype=dtype)
         lse = torch.full((3, 8, 2), math.nan, device="cuda")
@@ -359,15 +369,15 @@ def test_every_paged_kernel_of_the_bundle(bundle):
         if "sinks" in key.mods:
             mods, score, arrays = Mods(sink=sink), contract.Score(sinks=True), call.ScoreTensors(sinks=sink.data_ptr())
         problem = call.Problem(key.dtype, True, 3, 2, cache.block_table.shape[1] * 16, 8, 2, key.head_dim,
-                               score=score, layout="paged")
-        tensors = [call.Tensor(t.data_ptr(), *t.stride()[:3]) for t in (q, cache.k, cache.v, out)]
+                               score=score, layout="paged", kv_dtype=key.kv_dtype)
+        tensors = [call.Tensor(t.data_ptr(), *t.stride()[:3]) for t in (q, cache_k, cache_v, out)]
         seqlens = cache.seqlens
         prepared = kvcache.prepare_kvcache(
             bundle, problem, *tensors,
             kvcache.KvCache(seqused_k=seqlens.data_ptr(), block_table=cache.block_table.data_ptr(),
                             block_table_batch_stride=cache.block_table.stride(0), page_size=16,
                             pages=cache.k.shape[0]),
-            num_splits=3, entry=entry, score_tensors=arrays)
+            num_splits=3, entry=entry, score_tensors=arrays, descales=descales)
         workspace = torch.empty(prepared.workspace.floats, device="cuda")
         prepared.launch(out.data_ptr(), lse.data_ptr(), _current_stream(0), workspace.data_ptr())
         torch.cuda.synchronize()

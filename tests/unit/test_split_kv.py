@@ -36,7 +36,7 @@ def test_a_paged_spec_is_the_split_kv_algorithm():
 @pytest.mark.parametrize("fields, match", [
     ({"mask": "causal"}, "one local kernel serves all three"),
     ({"fa_version": 4, "arch": "sm100a"}, "fa_version=4 layout=paged: fagen has no kernel template"),
-    ({"tile": {"warps": 4, "stages": 2, "block_n": 32}}, "block_n=16"),
+    ({"tile": {"warps": 4, "stages": 2, "block_n": 64}}, "tile.block_n=64: must be one of"),
     ({"tile": {"warps": 3, "stages": 2}}, "tile.warps=3"),
     ({"arch": "sm86", "head_dim": 256, "tile": {"warps": 4, "stages": 4}}, "bytes of shared memory"),
 ])

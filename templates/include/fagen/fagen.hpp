@@ -571,12 +571,13 @@ struct Descales {
     }
 };
 
-// Why a call of element `dtype` cannot take `descales` (fagen/runtime/e4m3.py: descales_problem,
-// the same messages): only e4m3 calls have descales (an empty Descales is none); an address must
-// be 4-byte aligned (an fp32 array), a stride >= 0.
-inline Status descales_status(DType dtype, const Descales& descales) {
+// Why a call of element `dtype` (and K/V cache element `kv_dtype`, none: dtype) cannot take
+// `descales` (fagen/runtime/e4m3.py: descales_problem, the same messages): only calls with e4m3
+// elements have descales (an empty Descales is none); an address must be 4-byte aligned (an
+// fp32 array), a stride >= 0.
+inline Status descales_status(DType dtype, const Descales& descales, std::optional<DType> kv_dtype = std::nullopt) {
     if (descales.empty()) return Status();
-    if (dtype != DType::e4m3) {
+    if (dtype != DType::e4m3 && kv_dtype != DType::e4m3) {
         return Status::error(std::string("fagen: descales: for e4m3 problems only; a ") + dtype_name(dtype) +
                              " problem's elements are its values (give the call no descales)");
     }
@@ -674,6 +675,22 @@ struct Attention {
 // FAGEN_LAYOUT_NAMES), fagen/runtime/e4m3.py's call_problem (the same messages); OK for another
 // dtype. Said before the kernel lookup, whose error would suggest a `fagen build` of a kernel
 // that the spec models refuse.
+// Why no kernel reads a KV cache of element `kv_dtype` under queries of `dtype` (they differ)
+// (fagen/runtime/e4m3.py: cache_problem, the same messages; a KV-cache call's layout is paged).
+inline Status cache_dtype_status(DType dtype, DType kv_dtype) {
+    const std::string cache_element = dtype_name(DType::e4m3);
+    if (kv_dtype != DType::e4m3) {
+        return Status::error(std::string("fagen: kv_dtype '") + dtype_name(kv_dtype) + "': k and v are q's type (" +
+                             dtype_name(dtype) + ") or, in a KV cache, " + cache_element);
+    }
+    if (dtype != DType::fp16 && dtype != DType::bf16) {
+        return Status::error("fagen: kv_dtype " + cache_element + " under " + dtype_name(dtype) +
+                             " queries: the cache kernels take fp16 or bf16 queries (e4m3 queries convert to bf16 "
+                             "exactly; their q_descale still applies)");
+    }
+    return Status();
+}
+
 inline Status e4m3_call_status(const Attention& a, const std::string& direction, const std::string& layout) {
     if (a.dtype != DType::e4m3) return Status();
     if (direction != "fwd") {
@@ -895,8 +912,11 @@ struct AttentionBackward : Attention {
 // strides default to contiguous; dense q only): appended into the cache at cache_seqlens
 // (through the pages) before the attention, which then sees cache_seqlens + seqlen_new keys per
 // row; cache_seqlens itself is not changed (flash-attn's k, v). A key past a row's capacity or a
-// page outside [0, pages) is not written.
+// page outside [0, pages) is not written. kv_dtype: the cache's element where it differs from
+// dtype (e4m3: an FP8 cache under fp16 / bf16 queries, k_new and v_new in e4m3 too; descales
+// k's and v's, and q's where the queries were scaled).
 struct KvCacheAttention : Attention {
+    std::optional<DType> kv_dtype;
     CUdeviceptr block_table = 0;
     long long block_table_stride = 0;
     int page_size = 0, pages = 0;
@@ -1182,7 +1202,7 @@ public:
     // host, so a captured launch replays with new cache contents, lengths and block tables.
     Status attention_kvcache(const KvCacheAttention& a, CUstream stream) {
         if (a.batch < 0 || a.seqlen_q < 0 || a.heads_q < 0) return Status::error("fagen: negative size in KvCacheAttention");
-        if (Status s = check_element(a, "fwd", "paged"); !s.ok()) return s;
+        if (Status s = check_cache_element(a); !s.ok()) return s;
         if (a.batch == 0 || a.seqlen_q == 0 || a.heads_q == 0) return Status();
         if (a.seqlen_k <= 0 || a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0) {
             return Status::error("fagen: need a cache of seqlen_k >= 1 keys per row and heads_q (" +
@@ -1216,7 +1236,7 @@ public:
         if (!splits.ok()) return splits.status();
         auto [q, k, v, o] = strides_of(a);
         if (a.cu_seqlens_q != 0) q.batch = o.batch = 0;
-        if (Status s = check_forward_tensors(a, q, k, v, o, false); !s.ok()) return s;
+        if (Status s = check_forward_tensors(a, q, k, v, o, false, a.kv_dtype); !s.ok()) return s;
         const SplitWorkspace layout = split_workspace(splits.value(), a.batch, a.seqlen_q, a.heads_q, a.value_dim());
         if (layout.floats > 0 && (a.workspace == 0 || a.workspace % 16 != 0)) {
             return Status::error("fagen: " + std::to_string(splits.value()) + " splits need a 16-byte aligned workspace of " +
@@ -1526,8 +1546,9 @@ private:
         }
         const Strides k = a.k_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.head_dim));
         const Strides v = a.v_new_strides.value_or(Strides::contiguous(a.seqlen_new, a.heads_kv, a.value_dim()));
-        if (Status s = tensor_status("k_new", a.k_new, k, false, a.dtype); !s.ok()) return s;
-        if (Status s = tensor_status("v_new", a.v_new, v, false, a.dtype); !s.ok()) return s;
+        const DType cache_dtype = a.kv_dtype.value_or(a.dtype);
+        if (Status s = tensor_status("k_new", a.k_new, k, false, cache_dtype); !s.ok()) return s;
+        if (Status s = tensor_status("v_new", a.v_new, v, false, cache_dtype); !s.ok()) return s;
         p.k_new = reinterpret_cast<const void*>(a.k_new);
         p.v_new = reinterpret_cast<const void*>(a.v_new);
         p.k_new_batch_stride = k.batch, p.k_new_row_stride = k.row, p.k_new_head_stride = k.head;
@@ -1586,8 +1607,9 @@ private:
         if (!mask.ok()) return mask.status();
         // The split-KV kernels only: a prefill's tile kernels of the paged layout (FA3) run from
         // Python (fagen/runtime/kvcache.py: select_kvcache), not yet from here.
-        return kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"), a.seqlen_k,
-                      FAGEN_GRID_SPLITS);
+        const std::string dtypes = dtypes_name(dtype_name(a.dtype), a.kv_dtype ? dtype_name(*a.kv_dtype) : "");
+        return kernel(kernel_key("fwd", dtypes.c_str(), a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"),
+                      a.seqlen_k, FAGEN_GRID_SPLITS);
     }
 
     // A varlen call's offsets and sizes (fagen/runtime/call.py: _check_varlen).
@@ -1616,12 +1638,14 @@ private:
         return Status();
     }
 
-    // q, k, v (of the call's dtype, read by TMA in a TMA kernel) and out (of its output dtype)
-    // of a forward (a varlen call's packed tensors have no batch stride to check).
+    // q, k, v (of the call's dtype, k and v of kv_dtype where given; read by TMA in a TMA kernel)
+    // and out (of its output dtype) of a forward (a varlen call's packed tensors have no batch
+    // stride to check).
     static Status check_forward_tensors(const Attention& a, const Strides& q, const Strides& k, const Strides& v,
-                                        const Strides& o, bool tma) {
+                                        const Strides& o, bool tma, std::optional<DType> kv_dtype = std::nullopt) {
+        const DType cache_dtype = kv_dtype.value_or(a.dtype);
         const std::tuple<const char*, CUdeviceptr, Strides, bool, DType> tensors[] = {
-            {"q", a.q, q, tma, a.dtype}, {"k", a.k, k, tma, a.dtype}, {"v", a.v, v, tma, a.dtype},
+            {"q", a.q, q, tma, a.dtype}, {"k", a.k, k, tma, cache_dtype}, {"v", a.v, v, tma, cache_dtype},
             {"out", a.out, o, false, output_dtype(a.dtype)}};
         for (const auto& [name, data, strides, loaded, dtype] : tensors) {
             Strides checked = strides;
@@ -1636,6 +1660,14 @@ private:
     static Status check_element(const Attention& a, const char* direction, const char* layout) {
         if (Status s = e4m3_call_status(a, direction, layout); !s.ok()) return s;
         return descales_status(a.dtype, a.descales);
+    }
+    // The same for a KV-cache call, whose cache may be of another element (kv_dtype).
+    static Status check_cache_element(const KvCacheAttention& a) {
+        if (Status s = e4m3_call_status(a, "fwd", "paged"); !s.ok()) return s;
+        if (a.kv_dtype && *a.kv_dtype != a.dtype) {
+            if (Status s = cache_dtype_status(a.dtype, *a.kv_dtype); !s.ok()) return s;
+        }
+        return descales_status(a.dtype, a.descales, a.kv_dtype);
     }
 
     // FagenFwdParams of a forward: the tensors, their strides, an e4m3 call's descales and

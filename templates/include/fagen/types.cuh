@@ -13,4 +13,14 @@ struct BoolConstant {
     static constexpr bool value = kValue;
 };
 
+// A if kFirst, else B (std::conditional; NVRTC has no <type_traits> without CCCL's, as above).
+template <bool kFirst, class A, class B>
+struct Pick {
+    using type = A;
+};
+template <class A, class B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+
 }  // namespace fagen

@@ -149,7 +149,14 @@ static int make_call(int argc, char** argv) {
         return 1;
     }
     const std::string entry = argv[3];
-    fagen::AttentionBackward a = read_call(argc - 4, argv + 4);
+    // kv_dtype=... is a KV-cache call's field (KvCacheAttention), the rest every call's.
+    std::vector<char*> fields;
+    std::optional<fagen::DType> kv_dtype;
+    for (int i = 4; i < argc; ++i) {
+        if (std::string(argv[i]).rfind("kv_dtype=", 0) == 0) kv_dtype = parse_dtype(argv[i] + 9);
+        else fields.push_back(argv[i]);
+    }
+    fagen::AttentionBackward a = read_call(static_cast<int>(fields.size()), fields.data());
     fagen::Status status = fagen::Status::error("unknown entry point " + entry);
     if (entry == "forward") {
         status = bundle->attention(a, nullptr);
@@ -164,6 +171,7 @@ static int make_call(int argc, char** argv) {
     } else if (entry == "kvcache") {
         fagen::KvCacheAttention cache;
         static_cast<fagen::Attention&>(cache) = a;
+        cache.kv_dtype = kv_dtype;
         status = bundle->attention_kvcache(cache, nullptr);
     }
     std::printf("%s\n", status.ok() ? "ok" : ("error: " + status.message()).c_str());

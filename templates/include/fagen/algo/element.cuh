@@ -1,7 +1,8 @@
 // Per-element-type operations every kernel shares (the element axis of the kernel model): packing
 // floats into the 32-bit operand register, rounding to the element type, the matching mma.sync,
 // and the A-operand fragment of P. fp16 and bf16 (2 bytes, pairs per register), and e4m3 (1 byte,
-// quadruples per register; the FA3 forward's FP8 path, whose output is bf16).
+// quadruples per register; the FA3 forward's FP8 path, whose output is bf16). fp16 also widens
+// e4m3 pairs into its operand register (an e4m3 KV cache under 16-bit queries).
 #pragma once
 #include "fagen/types.cuh"
 #include <cuda_bf16.h>
@@ -47,6 +48,17 @@ struct ElementOps<__half> {
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
         ptx::mma_sync_m16n8k16_f32_f16(d, a, b);
+    }
+    // widen_e4m3's results are the values times 2^kWidenedE4m3Log2.
+    static constexpr int kWidenedE4m3Log2 = -8;
+    // Two e4m3 values of `bytes` (its bytes 0 and 2, or with kOddBytes 1 and 3) as a pair, the
+    // lower byte in the lower half: e4m3 s.eeee.mmm (bias 7) moves to fp16 s.0eeee.mmm0000000
+    // (bias 15), the value times 2^-8, subnormals included, exact without a multiplication (the
+    // kernel folds 2^8 into its scales).
+    template <bool kOddBytes>
+    static __device__ __forceinline__ uint32_t widen_e4m3(uint32_t bytes) {
+        return kOddBytes ? (bytes & 0x80008000u) | ((bytes >> 1) & 0x3f803f80u)
+                         : ((bytes << 8) & 0x80008000u) | ((bytes << 7) & 0x3f803f80u);
     }
 };
 

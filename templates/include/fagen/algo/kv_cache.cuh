@@ -34,18 +34,34 @@ struct Sequence {
     }
 };
 
-// Rows of a batch row's cached K (or V) from key `key` on: `base` is the tensor at the K/V head
-// (k + kv_head * k_head_stride). A run of rows from `key` stays inside one page when it does not
-// cross a multiple of page_size (the kernels' key blocks divide it). Returns null for a block
-// table entry outside [0, pages), which the caller reads as zeros.
+// The page of batch row `batch` that holds key `key` (its block table entry; key below the
+// row's capacity), or -1 for an entry outside [0, pages).
+__device__ __forceinline__ int cache_page(const FagenFwdParams& p, int batch, int key) {
+    const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
+    return page < 0 || page >= p.pages ? -1 : page;
+}
+
+// Rows of a batch row's cached K (or V) from key `key` on, in `page` (cache_page's; ignored
+// without a block table): `base` is the tensor at the K/V head (k + kv_head * k_head_stride). A
+// run of rows from `key` stays inside one page when it does not cross a multiple of page_size
+// (the kernels' runs of keys divide it). Returns null for page -1, which the caller reads as
+// zeros.
+template <class Element>
+__device__ __forceinline__ const Element* page_rows(const FagenFwdParams& p, const Element* base,
+                                                    long long batch_stride, long long row_stride, int batch,
+                                                    int page, int key) {
+    if (p.block_table == nullptr) return base + batch * batch_stride + key * row_stride;
+    if (page < 0) return nullptr;
+    return base + page * batch_stride + (key % p.page_size) * row_stride;
+}
+
+// The same, looking the page up.
 template <class Element>
 __device__ __forceinline__ const Element* cache_rows(const FagenFwdParams& p, const Element* base,
                                                      long long batch_stride, long long row_stride,
                                                      int batch, int key) {
-    if (p.block_table == nullptr) return base + batch * batch_stride + key * row_stride;
-    const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
-    if (page < 0 || page >= p.pages) return nullptr;
-    return base + page * batch_stride + (key % p.page_size) * row_stride;
+    return page_rows(p, base, batch_stride, row_stride, batch,
+                     p.block_table == nullptr ? 0 : cache_page(p, batch, key), key);
 }
 
 // The append entry point (fagen/contract.py: SPLIT_APPEND_SUFFIX): row `token` of k_new and v_new
@@ -54,9 +70,11 @@ __device__ __forceinline__ const Element* cache_rows(const FagenFwdParams& p, co
 // the cache). Nothing is written for a key at or past seqlen_k (the row's capacity) or through a
 // block table entry outside [0, pages): the host cannot see the lengths, and no write may land
 // outside the cache.
+// The new rows are in the cache's element type (an e4m3 cache takes e4m3 rows, as flash-attn's).
 template <class Element, int kHeadDim, int kHeadDimV>
 __device__ __forceinline__ void append_rows(const FagenFwdParams& p, int rows_per_cta) {
-    static_assert(kHeadDim % 8 == 0 && kHeadDimV % 8 == 0, "rows move as 16-byte vectors");
+    constexpr int kVecElements = 16 / static_cast<int>(sizeof(Element));
+    static_assert(kHeadDim % kVecElements == 0 && kHeadDimV % kVecElements == 0, "rows move as 16-byte vectors");
     const int lane = threadIdx.x % 32;
     CompanionRow row;
     if (!CompanionRow::of(rows_per_cta, p.batch, p.seqlen_new, p.heads_kv, row)) return;
@@ -70,7 +88,7 @@ __device__ __forceinline__ void append_rows(const FagenFwdParams& p, int rows_pe
         const Element* target = cache_rows(p, static_cast<const Element*>(cache) + head * head_stride, batch_stride,
                                            row_stride, batch, key);
         if (target == nullptr) return;
-        for (int c = 8 * lane; c < columns; c += 8 * 32) {
+        for (int c = kVecElements * lane; c < columns; c += kVecElements * 32) {
             *reinterpret_cast<uint4*>(const_cast<Element*>(target) + c) = *reinterpret_cast<const uint4*>(source + c);
         }
     };

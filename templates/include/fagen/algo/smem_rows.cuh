@@ -1,5 +1,6 @@
 // Rows of head_dim elements from global to shared memory with cp.async, 16-byte vectors, one
-// padded row pitch: the Q, K and V tiles of the mma.sync kernels (FA1, FA2).
+// padded row pitch: the Q, K and V tiles of the mma.sync kernels (FA1, FA2), and the e4m3 K/V
+// rows of the split-KV kernel.
 #pragma once
 #include "fagen/ptx/cp_async.cuh"
 #include "fagen/types.cuh"
@@ -12,7 +13,9 @@ namespace fagen::algo {
 template <class Element, int kRows, int kHeadDim, int kPitch, int kThreads>
 __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src, long long row_stride,
                                           int rows_valid, int tid) {
-    constexpr int kVecsPerRow = kHeadDim / 8;  // 16-byte vectors per row
+    constexpr int kVecElements = 16 / static_cast<int>(sizeof(Element));
+    static_assert(kHeadDim % kVecElements == 0, "rows move as 16-byte vectors");
+    constexpr int kVecsPerRow = kHeadDim / kVecElements;
     constexpr int kVecs = kRows * kVecsPerRow;
     if constexpr (kThreads % kVecsPerRow == 0 && kVecs % kThreads == 0) {
         // Each thread owns one vector column and every kRowStep-th row: one running pointer
@@ -20,7 +23,7 @@ __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src, lon
         constexpr int kRowStep = kThreads / kVecsPerRow;
         const int vec = tid % kVecsPerRow;
         int row = tid / kVecsPerRow;
-        const Element* g = src + row * row_stride + vec * 8;
+        const Element* g = src + row * row_stride + vec * kVecElements;
         const long long step = kRowStep * row_stride;
         uint32_t dst = smem + row * kPitch + vec * 16;
 #pragma unroll
@@ -38,7 +41,7 @@ __device__ __forceinline__ void load_rows(uint32_t smem, const Element* src, lon
                 const int row = idx / kVecsPerRow;
                 const int vec = idx % kVecsPerRow;
                 const bool valid = row < rows_valid;
-                const Element* g = src + (valid ? row : 0) * row_stride + vec * 8;
+                const Element* g = src + (valid ? row : 0) * row_stride + vec * kVecElements;
                 ptx::cp_async_cg_16(smem + row * kPitch + vec * 16, g, valid);
             }
         }

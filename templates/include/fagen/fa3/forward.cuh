@@ -45,6 +45,7 @@
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
+#include "fagen/algo/descale.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/algo/v_transpose.cuh"
 #include "fagen/params.h"
@@ -463,7 +464,7 @@ struct Forward {
 
     static __device__ __forceinline__ float descale(const float* values, long long batch_stride,
                                                     long long head_stride, const Work& w) {
-        return values == nullptr ? 1.f : values[w.batch * batch_stride + w.kv_head * head_stride];
+        return algo::descale(values, batch_stride, head_stride, w.batch, w.kv_head);
     }
 
     static __device__ __forceinline__ TileScales tile_scales(const FagenFwdParams& prm, const Work& w) {
