@@ -19,10 +19,17 @@ Mistral, ...). Two registrations, both under the same name:
   anything else. Without it transformers would skip mask creation for an unknown
   implementation and pass None: a padded batch would silently attend to the padding.
 
+Packed sequences (several per row, position_ids restarting at each, as transformers'
+DataCollatorWithFlattening makes them): the mask function returns a ``PackedSequences`` (the
+sequences' offsets, found once per forward) instead of a mask, and the attention function runs
+``fagen.torch.flash_attn_varlen_func`` over the flattened rows, each sequence attending within
+itself; the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``max_length_q`` / ``_k``), where
+a model passes them on, do the same.
+
 What fagen's kernels cannot do is refused with NotImplementedError (naming it and pointing at
 ``attn_implementation="sdpa"``), never ignored: dropout > 0, padding or any mask beyond the
-causal/full pattern (packed sequences, a StaticCache's unfilled slots, custom masks), chunked
-attention that masks something, position biases,
+causal/full pattern (a StaticCache's unfilled slots, custom masks; packed sequences over a
+cache), chunked attention that masks something, position biases,
 output_attentions=True, and head dims fagen has no kernel for. Masks that arrive already
 materialised (4-D, e.g. passed by the caller or built by transformers < 4.53) are accepted when
 they are all-ones or exactly the bottom-right causal pattern; that check reads the mask (a
@@ -51,7 +58,7 @@ import torch
 from .. import contract
 
 __all__ = [
-    "NAME", "TESTED_TRANSFORMERS_VERSIONS", "fagen_attention_forward", "fagen_mask",
+    "NAME", "TESTED_TRANSFORMERS_VERSIONS", "PackedSequences", "fagen_attention_forward", "fagen_mask",
     "make_attention_forward", "register",
 ]
 
@@ -87,6 +94,34 @@ def _flash_attn_func():
     return fagen.torch.flash_attn_func
 
 
+def _flash_attn_varlen_func():
+    """fagen.torch.flash_attn_varlen_func, looked up as _flash_attn_func."""
+    import fagen.torch
+
+    return fagen.torch.flash_attn_varlen_func
+
+
+class PackedSequences:
+    """The mask of packed sequences, as fagen_mask returns it: `cu_seqlens`, int32 (sequences + 1)
+    on the device, the offsets of the sequences in the rows' tokens flattened (batch * seq), and
+    `max_seqlen`, the longest one's tokens."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int):
+        self.cu_seqlens = cu_seqlens
+        self.max_seqlen = max_seqlen
+
+    @classmethod
+    def of(cls, sequence_ids: torch.Tensor) -> "PackedSequences":
+        """From transformers' packed-sequence indices (batch, seq): equal neighbours share a
+        sequence, and every row starts one. Reads the device once (the offsets' count and the
+        longest length)."""
+        starts = torch.ones_like(sequence_ids, dtype=torch.bool)
+        starts[:, 1:] = sequence_ids[:, 1:] != sequence_ids[:, :-1]
+        begins = starts.reshape(-1).nonzero().view(-1)
+        cu_seqlens = torch.cat([begins, begins.new_tensor([sequence_ids.numel()])]).to(torch.int32)
+        return cls(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+
 # ------------------------------------------------------------------------------ mask function
 
 try:
@@ -108,19 +143,21 @@ def _closure(function) -> dict:
     return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code else {}
 
 
-def _without_unpacked_check(mask_function):
-    """transformers 4.5x wraps every cache-less mask in its packed-sequence check, even when
-    position_ids show one sequence per row (5.x passes no check then): unwrap that case."""
+def _split_packed(mask_function):
+    """A mask function without transformers' packed-sequence check, and the sequence indices
+    (batch, seq) of that check where it finds several sequences in a row (else None). transformers
+    4.5x wraps every cache-less mask in the check, even when position_ids show one sequence per
+    row; 5.x only when they show more."""
     parts = _closure(mask_function).get("mask_functions")
     if (getattr(mask_function, "__name__", "") != "and_mask" or not isinstance(parts, tuple)
             or len(parts) != 2):
-        return mask_function
+        return mask_function, None
     base, check = parts
     packed = _closure(check).get("packed_sequence_mask")
-    if (getattr(check, "__qualname__", "").startswith("packed_sequence_mask_function.")
-            and isinstance(packed, torch.Tensor) and not bool((packed[:, -1] != 0).any())):
-        return base
-    return mask_function
+    if (not getattr(check, "__qualname__", "").startswith("packed_sequence_mask_function.")
+            or not isinstance(packed, torch.Tensor)):
+        return mask_function, None
+    return base, packed if bool((packed[:, -1] != 0).any()) else None
 
 
 def _is_causal_window(mask_function, size: int) -> bool:
@@ -152,12 +189,12 @@ def fagen_mask(**kwargs):
     """transformers' mask interface for "fagen" (called with keywords by create_causal_mask and
     friends): None when the attention is the plain causal or full pattern, or a causal sliding
     window, over keys without padding, which the attention function then runs with its
-    is_causal and sliding_window; NotImplementedError for every other pattern. Never builds a
-    mask.
+    is_causal and sliding_window; the same patterns over packed sequences (without a cache) as
+    a PackedSequences; NotImplementedError for every other pattern. Never builds a mask.
 
     transformers 5.x passes q_length/q_offset, 4.53-4.57 cache_position; both are read.
     """
-    mask_function = _without_unpacked_check(kwargs.get("mask_function", _CAUSAL))
+    mask_function, sequence_ids = _split_packed(kwargs.get("mask_function", _CAUSAL))
     padding = kwargs.get("attention_mask")
     kv_length = _as_int(kwargs["kv_length"])
     kv_offset = _as_int(kwargs.get("kv_offset", 0))
@@ -186,9 +223,8 @@ def fagen_mask(**kwargs):
                       "keys other than transformers' causal sliding window")
     else:
         raise _refuse(
-            "an attention pattern other than plain causal or full attention (packed sequences "
-            "found in position_ids, a sliding window or chunk, or a model's mask overlay such as "
-            "bidirectional image tokens)")
+            "an attention pattern other than plain causal or full attention (a sliding window or "
+            "chunk, or a model's mask overlay such as bidirectional image tokens)")
 
     if padding is not None:
         end = kv_offset + kv_length
@@ -204,6 +240,11 @@ def fagen_mask(**kwargs):
                       f"(position {kv_offset + kv_length - 1})",
                       hint="fagen aligns causal masks bottom-right; keys after the queries are, "
                            "e.g., a StaticCache's unfilled slots: use the default DynamicCache")
+    if sequence_ids is not None:
+        if kv_offset != 0 or kv_length != q_length or tuple(sequence_ids.shape[-1:]) != (q_length,):
+            raise _refuse("packed sequences over a cache (queries after cached keys)",
+                          hint="packed sequences run without a cache, e.g. in training")
+        return PackedSequences.of(sequence_ids)
     return None
 
 
@@ -242,9 +283,23 @@ def _causal_from_mask(mask, q_length: int, kv_length: int, is_causal: bool, modu
 # Keyword arguments some models pass to their attention function for features fagen lacks.
 _UNSUPPORTED_KWARGS = {
     "position_bias": "a position bias",
-    "cu_seq_lens_q": "packed (varlen) sequences",
-    "cu_seq_lens_k": "packed (varlen) sequences",
 }
+
+
+def _packing(attention_mask, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of packed sequences (the mask
+    function's PackedSequences, else the collator's cu_seq_lens_q / _k), or None."""
+    if isinstance(attention_mask, PackedSequences):
+        p = attention_mask
+        return p.cu_seqlens, p.cu_seqlens, p.max_seqlen, p.max_seqlen
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    maxima = [_as_int(given) if given is not None else int((cu[1:] - cu[:-1]).max())
+              for cu, given in ((cu_q, kwargs.get("max_length_q")), (cu_k, kwargs.get("max_length_k")))]
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), *maxima
 
 
 def _forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
@@ -271,7 +326,8 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal)
-    if attention_mask is not None:
+    packing = _packing(attention_mask, kwargs)
+    if packing is None and attention_mask is not None:
         causal = _causal_from_mask(attention_mask, q_length, kv_length, causal, module)
 
     device_type = query.device.type
@@ -295,9 +351,13 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, slidin
     sink = kwargs.get("s_aux", kwargs.get("sinks"))
     if sink is not None:
         extra["learnable_sink"] = sink
-    out = _flash_attn_func()(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, softmax_scale=scaling, **extra)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if packing is not None:  # the rows' tokens flattened, each sequence attending within itself
+        batch = q.shape[0]
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+        out = _flash_attn_varlen_func()(q, k, v, *packing, causal=causal, softmax_scale=scaling, **extra)
+        return out.view(batch, q_length, *out.shape[1:]), None
+    out = _flash_attn_func()(q, k, v, causal=causal, softmax_scale=scaling, **extra)
     return out, None
 
 

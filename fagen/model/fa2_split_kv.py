@@ -21,8 +21,9 @@ The mask is a band (mask: local, structure): full and causal are bands whose edg
 sets (contract.banded), so one kernel serves the three.
 
 An e4m3 cache (kv_dtype: e4m3, under fp16 / bf16 queries) halves the bytes a decode reads; its
-rows land in shared memory as they are and widen to the queries' type in registers, exactly, by
-moving bits (no conversion instruction: sm80 reads it too). The widening pairs the columns of a
+rows land in shared memory as they are and widen to fp16 in registers, exactly, by moving bits
+(no conversion instruction: sm80 reads it too); the products run in fp16 whatever the queries'
+type (bf16 queries scaled into fp16 by a power of two per CTA). The widening pairs the columns of a
 lane's ldmatrix (split_kv.cuh says how), which asks for head dims that are multiples of 32.
 """
 

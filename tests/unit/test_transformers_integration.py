@@ -99,7 +99,24 @@ def kernel(tf, monkeypatch):
                                              attn_mask=mask, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
 
+    def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                         softmax_scale=None, **options):
+        """flash_attn_varlen_func: each sequence through `reference`, recorded as one call."""
+        assert q.dim() == k.dim() == v.dim() == 3 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        assert q.shape[0] == int(cu_seqlens_q[-1]) and k.shape[0] == int(cu_seqlens_k[-1])
+        lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        assert max_seqlen_q == max(lengths_q) and max_seqlen_k == max(lengths_k)
+        outs = [reference(q[a:a + n][None], k[b:b + m][None], v[b:b + m][None], causal=causal,
+                          softmax_scale=softmax_scale, **options)[0]
+                for a, n, b, m in zip(cu_seqlens_q[:-1].tolist(), lengths_q, cu_seqlens_k[:-1].tolist(), lengths_k)]
+        del calls[-len(outs):]
+        calls.append({"q": q, "k": k, "v": v, "causal": causal, "scale": softmax_scale, "options": options,
+                      "cu_seqlens": (cu_seqlens_q, cu_seqlens_k)})
+        return torch.cat(outs)
+
     monkeypatch.setattr(tf, "_flash_attn_func", lambda: reference)
+    monkeypatch.setattr(tf, "_flash_attn_varlen_func", lambda: varlen_reference)
     return calls
 
 
@@ -222,13 +239,52 @@ def test_materialised_4d_masks(kernel):
         model(x, attention_mask=holed)
 
 
-def test_packed_sequences_are_refused(kernel):
+def test_packed_sequences_run_as_varlen_calls(kernel):
+    """Sequences packed in rows (position_ids restarting, DataCollatorWithFlattening's form): one
+    varlen call per layer over the flattened rows, each sequence attending within itself, the
+    logits those of each sequence alone; the collator's cu_seq_lens_q/_k are taken too."""
     import torch
 
-    model, x = _model(), _tokens(batch=1)
-    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]])
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        model(x, position_ids=positions, use_cache=False)
+    model, x = _model(), _tokens(batch=2)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        packed = model(x, position_ids=positions, use_cache=False).logits
+        assert len(kernel) == LAYERS
+        assert all(c["cu_seqlens"][0].tolist() == [0, 5, 11, 14, 22] and c["causal"] for c in kernel)
+        for row, begin, end in ((0, 0, 5), (0, 5, 11), (1, 0, 3), (1, 3, 11)):
+            alone = model(x[row:row + 1, begin:end], use_cache=False).logits
+            torch.testing.assert_close(packed[row:row + 1, begin:end], alone, rtol=1e-5, atol=1e-5)
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(packed, model(x, position_ids=positions, use_cache=False).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_collators_offsets_are_taken(tf, kernel):
+    import torch
+
+    module = torch.nn.Module()
+    q = torch.randn(1, HEADS, 9, HEAD_DIM)
+    k = v = torch.randn(1, KV_HEADS, 9, HEAD_DIM)
+    offsets = torch.tensor([0, 4, 9])
+    out, _ = tf.fagen_attention_forward(module, q, k, v, None, scaling=HEAD_DIM ** -0.5, cu_seq_lens_q=offsets,
+                                        cu_seq_lens_k=offsets, max_length_q=5, max_length_k=5)
+    assert out.shape == (1, 9, HEADS, HEAD_DIM) and kernel[-1]["cu_seqlens"][0].tolist() == [0, 4, 9]
+    first, _ = tf.fagen_attention_forward(module, q[:, :, :4], k[:, :, :4], v[:, :, :4], None,
+                                          scaling=HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out[:, :4], first)
+
+
+def test_packed_sequences_over_a_cache_are_refused(tf):
+    import torch
+    from transformers import masking_utils
+
+    ids = torch.tensor([[0, 0, 1, 1]])
+    packed = masking_utils.and_masks(masking_utils.causal_mask_function,
+                                     masking_utils.packed_sequence_mask_function(ids))
+    mask = tf.fagen_mask(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, mask_function=packed)
+    assert isinstance(mask, tf.PackedSequences) and mask.cu_seqlens.tolist() == [0, 2, 4] and mask.max_seqlen == 2
+    with pytest.raises(NotImplementedError, match="packed sequences over a cache"):
+        tf.fagen_mask(batch_size=1, q_length=4, kv_length=8, q_offset=4, kv_offset=0, mask_function=packed)
 
 
 def test_dropout_in_training_is_refused(kernel):
