@@ -154,11 +154,12 @@ def entry_call(entry, batch, heads_q):
 
 
 def runnable_entries(bundle):
-    """The bundle's forward kernels for this device, but for custom masks' (whose arguments
-    tests/gpu/test_custom_mask.py makes)."""
+    """The bundle's fp16 / bf16 forward kernels of the dense layout for this device, but for
+    custom masks' (whose arguments tests/gpu/test_custom_mask.py makes)."""
     cc = torch.cuda.get_device_capability()
     return [e for e in bundle.kernels if e.key.startswith("fwd/") and runs_on(e, cc)
             and contract.KernelKey.parse(e.key).layout == "dense"  # paged: tests/gpu/test_kvcache.py
+            and contract.KernelKey.parse(e.key).dtype in DTYPE_BY_NAME  # e4m3: tests/gpu/test_fp8.py
             and contract.KernelKey.parse(e.key).mask in contract.MASKS]
 
 
