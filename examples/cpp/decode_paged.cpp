@@ -2,7 +2,7 @@
 //
 //   fagen_decode_paged [--bundle DIR] [--batch 4] [--heads-q 32] [--heads-kv 8] [--head-dim 128]
 //                      [--page-size 16] [--steps 8] [--num-splits 0] [--seed 0] [--tolerance T]
-//                      [--fp8-cache 1]
+//                      [--fp8-cache 1] [--prefill N]
 //
 // Each row of the batch holds a prompt of a random length (1 ... 700 keys) in pages of
 // --page-size keys, taken from one pool in a random order through a block table (bf16). Then
@@ -15,6 +15,8 @@
 // (Bundle::merge_attention_states), checked against the whole row's output.
 // --fp8-cache 1 keeps the cache (and the appended rows) in e4m3 with one descale each for K and
 // V (KvCacheAttention::kv_dtype, Descales), the reference over the values they stand for.
+// --prefill N first appends N tokens a row whose N queries attend causally (bottom-right): from
+// 128 tokens on, the paged layout's tile kernels (FA3 on Hopper) where the bundle has them.
 // Exit status: 0 when every step's max error (relative to the reference's largest |value|) is
 // within the tolerance, 1 when one is not, 2 when the run could not happen.
 #include <algorithm>
@@ -41,6 +43,7 @@ struct Options {
     std::string bundle = FAGEN_DEFAULT_BUNDLE_DIR;
     int batch = 4, heads_q = 32, heads_kv = 8, head_dim = 128, page_size = 16, steps = 8, num_splits = 0;
     bool fp8_cache = false;
+    int prefill = 0;
     unsigned seed = 0;
     double tolerance = 1.0 / 64;  // bf16 outputs: a few units in the last place of values near 1
 };
@@ -60,10 +63,11 @@ bool parse(int argc, char** argv, Options& o) {
         else if (flag == "--seed") o.seed = static_cast<unsigned>(std::atoi(value));
         else if (flag == "--tolerance") o.tolerance = std::atof(value);
         else if (flag == "--fp8-cache") o.fp8_cache = std::atoi(value) != 0;
+        else if (flag == "--prefill") o.prefill = std::atoi(value);
         else return false;
     }
     return argc % 2 == 1 && !o.bundle.empty() && o.batch > 0 && o.heads_kv > 0 && o.heads_q % o.heads_kv == 0 &&
-           o.page_size > 0 && o.page_size % 16 == 0 && o.steps > 0 && o.head_dim > 0;
+           o.page_size > 0 && o.page_size % 16 == 0 && o.steps > 0 && o.head_dim > 0 && o.prefill >= 0;
 }
 
 int fail(const std::string& message) {
@@ -166,7 +170,7 @@ int main(int argc, char** argv) {
     if (!parse(argc, argv, o)) {
         std::fprintf(stderr, "usage: %s [--bundle DIR] [--batch N] [--heads-q N] [--heads-kv N] [--head-dim N] "
                              "[--page-size 16k] [--steps N] [--num-splits N] [--seed N] [--tolerance T] "
-                             "[--fp8-cache 0|1]\n", argv[0]);
+                             "[--fp8-cache 0|1] [--prefill N]\n", argv[0]);
         return 2;
     }
     auto bundle = fagen::Bundle::open(o.bundle);
@@ -179,7 +183,7 @@ int main(int argc, char** argv) {
     std::vector<int> lengths(o.batch);
     std::uniform_int_distribution<int> prompt(1, 700);
     for (int& n : lengths) n = prompt(rng);
-    const int capacity = (*std::max_element(lengths.begin(), lengths.end()) + o.steps + o.page_size - 1) /
+    const int capacity = (*std::max_element(lengths.begin(), lengths.end()) + o.prefill + o.steps + o.page_size - 1) /
                          o.page_size * o.page_size;
     const int per_row = capacity / o.page_size, pages = o.batch * per_row + 3;  // spare pages nobody uses
     std::vector<int> table(size_t(o.batch) * per_row);
@@ -219,19 +223,24 @@ int main(int argc, char** argv) {
     // The pool as (pages, page_size, heads_kv, d): the "batch" stride of k and v is a page's.
     const fagen::Strides pool{static_cast<long long>(o.page_size) * o.heads_kv * d, static_cast<long long>(o.heads_kv) * d, d};
     a.k_strides = a.v_strides = pool;
-    const size_t q_elements = size_t(o.batch) * o.heads_q * d;
-    auto workspace = bundle->kvcache_workspace_bytes(a);
-    if (!workspace.ok()) return fail(workspace.status().message());
-    auto splits = bundle->kvcache_splits(a);
+    const int most_tokens = std::max(o.prefill, 1);  // new tokens a row in one step
+    const size_t q_elements = size_t(o.batch) * most_tokens * o.heads_q * d;
+    size_t workspace_bytes = 0;
+    for (int tokens : {most_tokens, 1}) {
+        a.seqlen_q = tokens;
+        auto bytes = bundle->kvcache_workspace_bytes(a);
+        if (!bytes.ok()) return fail(bytes.status().message());
+        workspace_bytes = std::max(workspace_bytes, bytes.value());
+    }
+    auto splits = bundle->kvcache_splits(a);  // a decode step's
     if (!splits.ok()) return fail(splits.status().message());
-    const size_t new_elements = size_t(o.batch) * row_elements;  // one new key (value) per row
-    a.seqlen_new = 1;
+    const size_t new_elements = size_t(o.batch) * most_tokens * row_elements;  // new keys (values)
     CUdeviceptr descales = 0;  // k's, then v's (e4m3)
     const std::pair<CUdeviceptr*, size_t> allocations[] = {
         {&a.q, q_elements * 2}, {&a.out, q_elements * 2}, {&a.k, cache_elements * element_bytes},
         {&a.v, cache_elements * element_bytes}, {&a.block_table, table.size() * 4}, {&a.cache_seqlens, size_t(o.batch) * 4},
-        {&a.workspace, std::max<size_t>(workspace.value(), 16)}, {&a.k_new, new_elements * element_bytes},
-        {&a.v_new, new_elements * element_bytes}, {&a.lse, size_t(o.batch) * o.heads_q * 4}, {&descales, 8}};
+        {&a.workspace, std::max<size_t>(workspace_bytes, 16)}, {&a.k_new, new_elements * element_bytes},
+        {&a.v_new, new_elements * element_bytes}, {&a.lse, size_t(o.batch) * most_tokens * o.heads_q * 4}, {&descales, 8}};
     for (const auto& [pointer, bytes] : allocations) {
         if (fagen::Status s = cu.check(cu.mem_alloc(pointer, bytes), "cuMemAlloc"); !s.ok()) return fail(s.message());
     }
@@ -256,57 +265,70 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> new_k(new_elements * element_bytes), new_v(new_elements * element_bytes);
     std::vector<float> q_values(q_elements), new_k_values(new_elements), new_v_values(new_elements), probs;
     double worst = 0.0;
-    for (int step = 0; step < o.steps; ++step) {
-        // The step's new token of every row: the call appends its key and value at the row's
-        // length (cache_seqlens, uploaded before the append); the reference's copy goes there too.
+    for (int step = 0; step < o.steps + (o.prefill > 0); ++step) {
+        // The step's new tokens of every row (the prefill's, then one a step): the call appends
+        // their keys and values at the row's length (cache_seqlens, uploaded before the append);
+        // the reference's copy goes there too.
+        const int tokens = o.prefill > 0 && step == 0 ? o.prefill : 1;
+        const size_t step_q = size_t(o.batch) * tokens * o.heads_q * d, step_new = size_t(o.batch) * tokens * row_elements;
+        a.seqlen_q = a.seqlen_new = tokens;
+        new_k_values.resize(step_new), new_v_values.resize(step_new), q_values.resize(step_q);
+        new_k.resize(step_new * element_bytes), new_v.resize(step_new * element_bytes), q_bits.resize(step_q);
         elements.fill(new_k, new_k_values, rng);
         elements.fill(new_v, new_v_values, rng);
         for (int b = 0; b < o.batch; ++b) {
-            const size_t at = slot(b, lengths[b]), from = size_t(b) * row_elements;
-            std::copy_n(new_k_values.begin() + from, row_elements, k_values.begin() + at);
-            std::copy_n(new_v_values.begin() + from, row_elements, v_values.begin() + at);
+            for (int t = 0; t < tokens; ++t) {
+                const size_t at = slot(b, lengths[b] + t), from = (size_t(b) * tokens + t) * row_elements;
+                std::copy_n(new_k_values.begin() + from, row_elements, k_values.begin() + at);
+                std::copy_n(new_v_values.begin() + from, row_elements, v_values.begin() + at);
+            }
         }
         fill_random(q_bits, q_values, rng);
         const std::tuple<CUdeviceptr, const void*, size_t, const char*> uploads[] = {
-            {a.q, q_bits.data(), q_elements * 2, "cuMemcpyHtoD(q)"},
+            {a.q, q_bits.data(), step_q * 2, "cuMemcpyHtoD(q)"},
             {a.k_new, new_k.data(), new_k.size(), "cuMemcpyHtoD(k_new)"},
             {a.v_new, new_v.data(), new_v.size(), "cuMemcpyHtoD(v_new)"},
             {a.cache_seqlens, lengths.data(), lengths.size() * 4, "cuMemcpyHtoD(cache_seqlens)"}};
         for (const auto& [to, from, bytes, what] : uploads) {
             if (fagen::Status s = cu.check(cu.memcpy_htod(to, from, bytes), what); !s.ok()) return fail(s.message());
         }
-        for (int& n : lengths) ++n;
-        if (fagen::Status s = cu.check(cu.memset_d16(a.out, 0x7fc0, q_elements), "cuMemsetD16(out)"); !s.ok())
+        for (int& n : lengths) n += tokens;
+        if (fagen::Status s = cu.check(cu.memset_d16(a.out, 0x7fc0, step_q), "cuMemsetD16(out)"); !s.ok())
             return fail(s.message());  // NaN first: an element never written fails the check
         if (fagen::Status s = bundle->attention_kvcache(a, nullptr); !s.ok()) return fail(s.message());
         if (fagen::Status s = cu.check(cu.stream_synchronize(nullptr), "cuStreamSynchronize"); !s.ok())
             return fail(s.message());
-        if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, q_elements * 2), "cuMemcpyDtoH(out)");
+        out_bits.resize(step_q);
+        if (fagen::Status s = cu.check(cu.memcpy_dtoh(out_bits.data(), a.out, step_q * 2), "cuMemcpyDtoH(out)");
             !s.ok()) return fail(s.message());
 
         double error = 0.0, size = 1e-30;
         for (int b = 0; b < o.batch; ++b) {
-            probs.assign(lengths[b], 0.0f);
-            for (int h = 0; h < o.heads_q; ++h) {
-                const size_t qi = (size_t(b) * o.heads_q + h) * d, head = size_t(h / group) * d;
-                float top = -INFINITY, total = 0.0f;
-                for (int j = 0; j < lengths[b]; ++j) {
-                    float dot = 0.0f;
-                    for (int c = 0; c < d; ++c) dot += q_values[qi + c] * k_values[slot(b, j) + head + c];
-                    top = std::max(top, probs[j] = dot * scale);
-                }
-                for (int j = 0; j < lengths[b]; ++j) total += (probs[j] = std::exp(probs[j] - top));
-                for (int c = 0; c < d; ++c) {
-                    float want = 0.0f;
-                    for (int j = 0; j < lengths[b]; ++j) want += probs[j] / total * v_values[slot(b, j) + head + c];
-                    const double e = std::fabs(static_cast<double>(from_bf16(out_bits[qi + c])) - want);
-                    error = std::isnan(e) ? INFINITY : std::max(error, e);
-                    size = std::max(size, std::fabs(static_cast<double>(want)));
+            for (int t = 0; t < tokens; ++t) {
+                const int seen = lengths[b] - tokens + t + 1;  // causal, bottom-right: keys 0 .. seen - 1
+                probs.assign(seen, 0.0f);
+                for (int h = 0; h < o.heads_q; ++h) {
+                    const size_t qi = ((size_t(b) * tokens + t) * o.heads_q + h) * d, head = size_t(h / group) * d;
+                    float top = -INFINITY, total = 0.0f;
+                    for (int j = 0; j < seen; ++j) {
+                        float dot = 0.0f;
+                        for (int c = 0; c < d; ++c) dot += q_values[qi + c] * k_values[slot(b, j) + head + c];
+                        top = std::max(top, probs[j] = dot * scale);
+                    }
+                    for (int j = 0; j < seen; ++j) total += (probs[j] = std::exp(probs[j] - top));
+                    for (int c = 0; c < d; ++c) {
+                        float want = 0.0f;
+                        for (int j = 0; j < seen; ++j) want += probs[j] / total * v_values[slot(b, j) + head + c];
+                        const double e = std::fabs(static_cast<double>(from_bf16(out_bits[qi + c])) - want);
+                        error = std::isnan(e) ? INFINITY : std::max(error, e);
+                        size = std::max(size, std::fabs(static_cast<double>(want)));
+                    }
                 }
             }
         }
         worst = std::max(worst, error / size);
-        std::printf("step %d: max error %.3g (relative to max |reference| %.3g)\n", step, error / size, size);
+        std::printf("step %d (%d new token%s a row): max error %.3g (relative to max |reference| %.3g)\n", step,
+                    tokens, tokens == 1 ? "" : "s", error / size, size);
     }
     auto merged = check_merge(*bundle, cu, a, table, lengths, per_row, o, out_bits);
     if (!merged.ok()) return fail(merged.status().message());

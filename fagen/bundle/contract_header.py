@@ -8,9 +8,9 @@ import string
 from ..contract import (
     ACCUM_BOX_COLUMNS, ACCUM_BYTES, ALIGNMENT_BYTES, BWD_CONVERT_SUFFIX, BWD_PREPROCESS_SUFFIX,
     BWD_ROWS_PER_CTA, BWD_ROW_THREADS, COMPANION_ROWS_PER_CTA, COMPANION_THREADS,
-    CACHE_DTYPE_SEPARATOR, DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
+    CACHE_DTYPE_SEPARATOR, CACHE_TMA_BOX_ROWS, DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
-    MIN_SCALE_LOG2, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
+    MIN_SCALE_LOG2, PAGED_TILE_MIN_QUERIES, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
     dtypes_name, kernel_key, output_dtype, stride_multiple, tma_box_columns, variant_name,
 )
 
@@ -81,6 +81,12 @@ inline SplitWorkspace split_workspace(long long num_splits, long long batch, lon
     if (num_splits <= 1) return {0, 0, 0};
     const long long rows = num_splits * batch * seqlen_q * heads_q;
     return {0, rows * head_dim_v, rows * (head_dim_v + 1)};
+}
+/* cache_box_rows: keys per TMA box of a paged tile kernel's K/V tile of tile_rows keys over pages
+   of page_size keys (0: a contiguous cache). */
+inline int cache_box_rows(int page_size, int tile_rows) {
+    if (page_size == 0 || page_size % tile_rows == 0) return tile_rows;
+    return tile_rows % page_size == 0 ? page_size : FAGEN_CACHE_TMA_BOX_ROWS;
 }
 /* companion_grid: the grid of a split-KV kernel's combine, append and merge entry points. */
 inline GridDims companion_grid(long long batch, long long rows, long long heads) {
@@ -181,6 +187,10 @@ def render_contract_header() -> str:
         f"#define FAGEN_COMPANION_THREADS {COMPANION_THREADS}",
         f"#define FAGEN_MAX_SPLITS {MAX_SPLITS}",
         f"#define FAGEN_SPLIT_WAVE_FILL {SPLIT_WAVE_FILL!r}",
+        "/* A KV-cache call of this many query tokens a row or more prefers a tile kernel of the",
+        "   paged layout (FA3), whose K/V boxes hold FAGEN_CACHE_TMA_BOX_ROWS keys at least. */",
+        f"#define FAGEN_PAGED_TILE_MIN_QUERIES {PAGED_TILE_MIN_QUERIES}",
+        f"#define FAGEN_CACHE_TMA_BOX_ROWS {CACHE_TMA_BOX_ROWS}",
         "/* The tensor layouts, in the order of fagen/contract.py's LAYOUTS (dense: no key suffix). */",
         "#define FAGEN_LAYOUT_NAMES {" + ", ".join(f'"{name}"' for name in LAYOUTS) + "}",
         "",

@@ -375,6 +375,16 @@ def test_cpp_varlen_walk_rule_matches_python(open_bundle, batch, seqlen_q, total
     assert result.stdout.split() == [str(int(contract.varlen_walks_items(batch, seqlen_q, total_q)))]
 
 
+def test_cpp_cache_box_rule_matches_python(open_bundle):
+    """cache_box_rows (keys per TMA box of a paged tile kernel's K/V tile) in fagen.hpp as in
+    fagen/contract.py, for contiguous caches and pages smaller, equal and larger than tiles."""
+    for page_size in (0, 16, 32, 48, 64, 80, 128, 176, 256, 512):
+        for tile_rows in (64, 80, 128, 176):
+            result = run(open_bundle, "--cache-box", page_size, tile_rows)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.split() == [str(contract.cache_box_rows(page_size, tile_rows))], (page_size, tile_rows)
+
+
 @pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))
 def test_cpp_workspace_rule_matches_python(open_bundle, shape):
     batch, heads_q, seqlen_q, head_dim, block_m = shape
@@ -620,7 +630,8 @@ def test_tma_map_enums_are_the_drivers(recorded_tensor_maps):
 
 # FA3 forwards of e4m3 and bf16 with the default bundle's launch shapes (sm90a, persistent grid,
 # TMA), added to ci-small with stand-in cubins: the fake libcuda runs or records their launches.
-FA3_STAND_INS = {"fwd/e4m3/hd128/causal": (128, 128), "fwd/bf16/hd128/causal": (128, 176)}  # key: TMA box rows
+FA3_STAND_INS = {"fwd/e4m3/hd128/causal": (128, 128), "fwd/bf16/hd128/causal": (128, 176),
+                 "fwd/bf16/hd128/local/paged": (128, 128)}  # key: TMA box rows
 BATCH, SEQLEN_Q, SEQLEN_K, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 300, 500, 8, 2, 128
 LSE, DESCALE, ARRAY = 6 << 20, 7 << 20, 8 << 20  # addresses of the LSE, fp32 descales, other fp32 arrays
 
@@ -768,6 +779,56 @@ def test_cpp_forward_launches_as_python_prepares(fa3_programs, python_calls, rec
     if problem.dtype == "e4m3":  # bytes, in boxes of 128 of them
         uint8 = int(driver.cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
         assert {m["data_type"] for m in maps} == {uint8} and {m["box"][0] for m in maps} == {128}
+
+
+@pytest.mark.parametrize("page_size, packed", [(64, False), (256, False), (16, False), (0, False), (64, True)],
+                         ids=["p64", "p256", "p16", "contiguous", "p64-packed-q"])
+def test_cpp_kvcache_prefill_launches_as_python_prepares(fa3_programs, python_calls, recorded_tensor_maps,
+                                                          page_size, packed):
+    """Bundle::attention_kvcache and fagen.runtime.kvcache.prepare_kvcache on a prefill (300 new
+    tokens a row): both on the paged tile kernel (FA3), with the same FagenFwdParams, grid and
+    maps (K/V boxes of whole tiles, whole pages or 16 keys; packed q over its total rows)."""
+    from fagen.runtime.call import Problem, Tensor
+    from fagen.runtime.kvcache import KvCache, prepare_kvcache
+
+    capacity, per_row = 1024, (1024 // page_size if page_size else 0)
+    pages = BATCH * per_row + 3
+    problem = Problem("bf16", True, BATCH, SEQLEN_Q, capacity, HEADS_Q, HEADS_KV, HEAD_DIM, layout="paged")
+    row = HEADS_KV * HEAD_DIM
+    cache_rows = page_size or capacity
+    tensors = {"q": padded(1 << 20, SEQLEN_Q, HEADS_Q), "k": Tensor(16 << 20, cache_rows * row, row, HEAD_DIM),
+               "v": Tensor(32 << 20, cache_rows * row, row, HEAD_DIM), "out": padded(4 << 20, SEQLEN_Q, HEADS_Q)}
+    lengths, table, offsets = 9 << 20, 10 << 20, 11 << 20
+    fields = {"scale": 0.1, "cache_seqlens": lengths}
+    cache = KvCache(seqused_k=lengths)
+    if page_size:
+        cache = KvCache(seqused_k=lengths, block_table=table, block_table_batch_stride=per_row, page_size=page_size,
+                        pages=pages)
+        fields.update(block_table=f"{table}:{per_row}", page_size=page_size, pages=pages)
+    if packed:  # rows of up to SEQLEN_Q tokens, BATCH * SEQLEN_Q - 7 of them in all
+        total_q = BATCH * SEQLEN_Q - 7
+        tensors["q"], tensors["out"] = (Tensor(t.data, 0, HEADS_Q * HEAD_DIM, HEAD_DIM) for t in (tensors["q"], tensors["out"]))
+        cache = KvCache(**{**cache.__dict__, "cu_seqlens_q": offsets, "total_q": total_q})
+        fields.update(cu_seqlens_q=offsets, total_q=total_q)
+    entry = python_calls.select(problem.key, (9, 0), capacity)
+    assert entry.launch.grid == "persistent"
+    prepared = prepare_kvcache(python_calls, problem, *tensors.values(), cache, softmax_scale=0.1, entry=entry)
+    expected = abi.FwdParams.from_buffer_copy(prepared.params)
+    expected.o, expected.lse = tensors["out"].data, LSE
+
+    open_bundle, _, driver_dir = fa3_programs
+    result = run(open_bundle, "--call", python_calls.path, "kvcache", *cli_call(problem, tensors, None, **fields),
+                 driver_dir=driver_dir, cc=(9, 0), record=True)
+    assert result.returncode == 0, result.stderr
+    maps, grid, params, last = parse_record(result.stdout)
+    assert last == "ok"
+    assert grid == prepared.grid
+    got = abi.FwdParams.from_buffer_copy(params)
+    for field, _ in abi.FwdParams._fields_:
+        assert getattr(got, field) == getattr(expected, field), field
+    assert maps == recorded_tensor_maps
+    box = maps[1]["box"][1]
+    assert box == contract.cache_box_rows(page_size, 128) == {64: 64, 256: 128, 16: 16, 0: 128}[page_size]
 
 
 def refused_calls():

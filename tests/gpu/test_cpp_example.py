@@ -270,10 +270,17 @@ def test_cpp_example_backward_matches_reference_and_torch(bundle, example, tmp_p
     ["--page-size", "16", "--num-splits", "1", "--head-dim", "64", "--heads-q", "16", "--heads-kv", "4"],
     ["--fp8-cache", "1"],
     ["--fp8-cache", "1", "--page-size", "64", "--head-dim", "256", "--heads-q", "16", "--heads-kv", "2"],
-], ids=["gqa4-p16", "mqa8-p64", "hd64-one-split", "fp8-cache-p16", "fp8-cache-hd256-p64"])
+    ["--prefill", "300", "--batch", "2", "--heads-q", "8", "--heads-kv", "2", "--steps", "2"],
+    ["--prefill", "200", "--page-size", "64", "--batch", "2", "--heads-q", "8", "--heads-kv", "2", "--steps", "2",
+     "--head-dim", "64"],
+    ["--prefill", "150", "--fp8-cache", "1", "--batch", "2", "--heads-q", "8", "--heads-kv", "2", "--steps", "2"],
+], ids=["gqa4-p16", "mqa8-p64", "hd64-one-split", "fp8-cache-p16", "fp8-cache-hd256-p64", "prefill-p16",
+        "prefill-hd64-p64", "prefill-fp8-cache"])
 def test_cpp_decode_from_paged_cache(bundle, example, args):
     """examples/cpp/decode_paged.cpp: decode steps over a paged cache (bf16, or e4m3 with its
-    descales) through Bundle::attention_kvcache, each checked against its CPU reference."""
+    descales), after a prefill where asked (the paged tile kernels, FA3, from 128 tokens a row; an
+    e4m3 cache's on the split-KV kernels), through Bundle::attention_kvcache, each checked against
+    its CPU reference."""
     head_dim = int(args[args.index("--head-dim") + 1]) if "--head-dim" in args else 128
     dtypes = "bf16-e4m3" if "--fp8-cache" in args else "bf16"
     key = f"fwd/{dtypes}/hd{head_dim}/local/paged"

@@ -423,6 +423,12 @@ inline std::string forward_key(DType dtype, int head_dim, const std::string& var
     return kernel_key("fwd", dtype_name(dtype), head_dim, variant, head_dim_v, layout);
 }
 
+// Whether `key` is a kernel of the paged layout (a KV cache's: its last part).
+inline bool is_paged_key(const std::string& key) {
+    const std::string suffix = "/paged";
+    return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 // Lookup key of a backward kernel, e.g. "bwd/bf16/hd128/causal".
 inline std::string backward_key(DType dtype, int head_dim, const std::string& variant, int head_dim_v = 0,
                                 const std::string& layout = "dense") {
@@ -747,8 +753,9 @@ public:
             auto count = multiprocessor_count();
             if (!count.ok()) return count.status();
             sms = count.value();
-            // A varlen call (its LSE's head stride: the packed rows) of mixed lengths: a CTA per item.
-            if (params.cu_seqlens_k != nullptr && varlen_walks_items(params.batch, params.seqlen_q, params.lse_head_stride)) {
+            // Packed rows (a varlen call, a KV-cache prefill's packed q; the LSE's head stride: their
+            // count) of mixed lengths: a CTA per work item.
+            if (params.cu_seqlens_q != nullptr && varlen_walks_items(params.batch, params.seqlen_q, params.lse_head_stride)) {
                 sms = 1 << 30;
             }
         }
@@ -899,9 +906,11 @@ struct AttentionBackward : Attention {
     CUdeviceptr dsinks = 0;  // with sinks: dL/dsink, fp32 (heads_q,), written
 };
 
-// Attention of new query tokens over a KV cache (flash_attn_with_kvcache; layout paged, the
-// split-KV kernels). q: dense (batch, seqlen_q, heads_q, d), or packed by cu_seqlens_q ((total_q,
-// heads_q, d), seqlen_q the longest row's, lse (heads_q, total_q)). k, v: the cache, (batch,
+// Attention of new query tokens over a KV cache (flash_attn_with_kvcache; layout paged: the
+// split-KV kernels, or a prefill's tile kernels, FA3, from FAGEN_PAGED_TILE_MIN_QUERIES query tokens
+// a row where the bundle has them and num_splits is 0 or 1). q: dense (batch, seqlen_q, heads_q,
+// d), or packed by cu_seqlens_q ((total_q, heads_q, d), seqlen_q the longest row's, lse (heads_q,
+// total_q)). k, v: the cache, (batch,
 // seqlen_k, heads_kv, d) contiguous, or pages (pages, page_size, heads_kv, d) with block_table,
 // int32 (batch, block_table_stride), key j of row b in row j % page_size of page
 // block_table[b * block_table_stride + j / page_size] (page_size a multiple of 16); seqlen_k is
@@ -1004,6 +1013,23 @@ inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strid
     return {tensor_map_args(a.dtype, a.q, a.batch, a.seqlen_q, a.heads_q, a.head_dim, q, tma_q_rows),
             tensor_map_args(a.dtype, a.k, a.batch, a.seqlen_k, a.heads_kv, a.head_dim, k, tma_kv_rows),
             tensor_map_args(a.dtype, a.v, a.batch, a.seqlen_k, a.heads_kv, a.value_dim(), v, tma_kv_rows)};
+}
+
+// The Q, K and V maps of a KV-cache call on a paged tile kernel (fagen/runtime/kvcache.py:
+// _prepare_tiles): Q over the dense rows or, packed (cu_seqlens_q), over total_q rows as one batch
+// row; K and V over the pages (page_size rows, `pages` batch rows) or the contiguous cache, in
+// boxes of the runs of keys the kernel loads (cache_box_rows).
+inline std::array<TensorMapArgs, 3> kvcache_map_args(const KvCacheAttention& a, const Strides& q, const Strides& k,
+                                                     const Strides& v, const FagenKernelInfo& info) {
+    const bool packed = a.cu_seqlens_q != 0, paged = a.block_table != 0;
+    const long long q_rows = packed ? (a.total_q > 1 ? a.total_q : 1) : a.seqlen_q;
+    const Strides q_map = packed ? Strides{q_rows * q.row, q.row, q.head} : q;
+    const int kv_rows = paged ? a.page_size : a.seqlen_k, kv_batch = paged ? a.pages : a.batch;
+    const int box = cache_box_rows(paged ? a.page_size : 0, info.tma_kv_rows);
+    const DType cache = a.kv_dtype.value_or(a.dtype);
+    return {tensor_map_args(a.dtype, a.q, packed ? 1 : a.batch, int(q_rows), a.heads_q, a.head_dim, q_map, info.tma_q_rows),
+            tensor_map_args(cache, a.k, kv_batch, kv_rows, a.heads_kv, a.head_dim, k, box),
+            tensor_map_args(cache, a.v, kv_batch, kv_rows, a.heads_kv, a.value_dim(), v, box)};
 }
 
 // A backward's maps beyond Q, K, V (FagenBwdTmaMaps): dO like the output (head_dim_v columns),
@@ -1182,6 +1208,7 @@ public:
         if (a.num_splits > 0) return a.num_splits;
         auto kernel = kvcache_kernel(a);
         if (!kernel.ok()) return kernel.status();
+        if (kernel.value()->info().grid != FAGEN_GRID_SPLITS) return 1;  // a tile kernel (a prefill)
         auto sms = Kernel::multiprocessor_count();
         if (!sms.ok()) return sms.status();
         const FagenKernelInfo& info = kernel.value()->info();
@@ -1235,8 +1262,13 @@ public:
         auto splits = kvcache_splits(a);
         if (!splits.ok()) return splits.status();
         auto [q, k, v, o] = strides_of(a);
-        if (a.cu_seqlens_q != 0) q.batch = o.batch = 0;
-        if (Status s = check_forward_tensors(a, q, k, v, o, false, a.kv_dtype); !s.ok()) return s;
+        const bool tiles = kernel.value()->uses_tma();  // a prefill's tile kernel
+        if (a.cu_seqlens_q != 0) {  // packed rows: q's checked as its map spans them (fagen/runtime/call.py: _map_tensor)
+            q.batch = tiles ? (a.total_q > 1 ? a.total_q : 1) * q.row : 0;
+            o.batch = 0;
+        }
+        if (Status s = check_forward_tensors(a, q, k, v, o, tiles, a.kv_dtype); !s.ok()) return s;
+        if (a.cu_seqlens_q != 0) q.batch = 0;
         const SplitWorkspace layout = split_workspace(splits.value(), a.batch, a.seqlen_q, a.heads_q, a.value_dim());
         if (layout.floats > 0 && (a.workspace == 0 || a.workspace % 16 != 0)) {
             return Status::error("fagen: " + std::to_string(splits.value()) + " splits need a 16-byte aligned workspace of " +
@@ -1260,6 +1292,15 @@ public:
         if (Status s = set_new_keys(a, p); !s.ok()) return s;
         if (p.seqlen_new > 0) {
             if (Status s = kernel.value()->launch_append(p, stream); !s.ok()) return s;
+        }
+        if (tiles) {
+            FagenTmaMaps maps{};
+            const std::array<TensorMapArgs, 3> args = kvcache_map_args(a, q, k, v, kernel.value()->info());
+            FagenTensorMap* const targets[3] = {&maps.q, &maps.k, &maps.v};
+            for (int i = 0; i < 3; ++i) {
+                if (Status s = encode_tensor_map(targets[i], args[i]); !s.ok()) return s;
+            }
+            return kernel.value()->launch(p, &maps, stream);
         }
         if (Status s = kernel.value()->launch(p, nullptr, stream); !s.ok()) return s;
         return splits.value() > 1 ? kernel.value()->launch_combine(p, stream) : Status();
@@ -1501,6 +1542,8 @@ private:
             companions = {{&kernel->combine_, FAGEN_SPLIT_COMBINE_SUFFIX},
                           {&kernel->append_, FAGEN_SPLIT_APPEND_SUFFIX},
                           {&kernel->merge_, FAGEN_SPLIT_MERGE_SUFFIX}};
+        } else if (is_paged_key(info.key)) {  // a paged tile kernel (a prefill): its append
+            companions = {{&kernel->append_, FAGEN_SPLIT_APPEND_SUFFIX}};
         }
         {
             for (const auto& [slot, suffix] : companions) {
@@ -1602,14 +1645,27 @@ private:
         const int unbounded = a.seqlen_q + a.seqlen_k;
         return CallMask{"local", unbounded, std::string(mask.value().kind) == "causal" ? 0 : unbounded};
     }
+    // The kernel of a KV-cache call (fagen/runtime/kvcache.py: select_kvcache): a prefill (rows
+    // of FAGEN_PAGED_TILE_MIN_QUERIES query tokens or more, not asked for splits) prefers a tile
+    // kernel of the paged layout (FA3's: a persistent or a tile grid), anything else the split-KV
+    // kernels; either takes the other where the bundle has only that.
     Result<const Kernel*> kvcache_kernel(const KvCacheAttention& a) {
         const Result<CallMask> mask = kvcache_mask(a);
         if (!mask.ok()) return mask.status();
-        // The split-KV kernels only: a prefill's tile kernels of the paged layout (FA3) run from
-        // Python (fagen/runtime/kvcache.py: select_kvcache), not yet from here.
         const std::string dtypes = dtypes_name(dtype_name(a.dtype), a.kv_dtype ? dtype_name(*a.kv_dtype) : "");
-        return kernel(kernel_key("fwd", dtypes.c_str(), a.head_dim, a.variant(mask.value()), a.head_dim_v, "paged"),
-                      a.seqlen_k, FAGEN_GRID_SPLITS);
+        const std::string key = kernel_key("fwd", dtypes.c_str(), a.head_dim, a.variant(mask.value()), a.head_dim_v,
+                                           "paged");
+        const bool prefill = a.seqlen_q >= FAGEN_PAGED_TILE_MIN_QUERIES && a.num_splits <= 1;
+        const int tiles[] = {FAGEN_GRID_PERSISTENT, FAGEN_GRID_TILES};
+        std::vector<int> order;
+        if (prefill) order.insert(order.end(), std::begin(tiles), std::end(tiles));
+        order.push_back(FAGEN_GRID_SPLITS);
+        if (!prefill) order.insert(order.end(), std::begin(tiles), std::end(tiles));
+        for (int grid : order) {
+            auto found = kernel(key, a.seqlen_k, grid);
+            if (found.ok()) return found;
+        }
+        return kernel(key, a.seqlen_k);  // none: the error, saying what the bundle holds
     }
 
     // A varlen call's offsets and sizes (fagen/runtime/call.py: _check_varlen).

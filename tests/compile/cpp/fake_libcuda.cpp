@@ -143,9 +143,12 @@ CUresult library_load_data(CUlibrary* library, const void* image, CUjit_option*,
     return CUDA_SUCCESS;
 }
 CUresult library_unload(CUlibrary) { return CUDA_SUCCESS; }
+// A kernel's companion entry points (<name>_append, ...) resolve to the kernel itself: the fake
+// records main launches only.
 CUresult library_get_kernel(CUkernel* kernel, CUlibrary, const char* name) {
     for (int i = 0; i < FAGEN_KERNEL_COUNT; ++i) {
-        if (std::strcmp(fagen_kernels[i].name, name) == 0) {
+        const size_t length = std::strlen(fagen_kernels[i].name);
+        if (std::strncmp(fagen_kernels[i].name, name, length) == 0 && (name[length] == '\0' || name[length] == '_')) {
             kernels[i].info = &fagen_kernels[i];
             *kernel = reinterpret_cast<CUkernel>(&kernels[i]);
             return CUDA_SUCCESS;

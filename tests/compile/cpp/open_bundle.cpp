@@ -149,11 +149,26 @@ static int make_call(int argc, char** argv) {
         return 1;
     }
     const std::string entry = argv[3];
-    // kv_dtype=... is a KV-cache call's field (KvCacheAttention), the rest every call's.
+    // A KV-cache call's own fields (KvCacheAttention: kv_dtype, block_table=ADDRESS:STRIDE,
+    // page_size, pages, cache_seqlens, num_splits, packed q's cu_seqlens_q and total_q), the rest
+    // every call's.
     std::vector<char*> fields;
-    std::optional<fagen::DType> kv_dtype;
+    fagen::KvCacheAttention cache;
     for (int i = 4; i < argc; ++i) {
-        if (std::string(argv[i]).rfind("kv_dtype=", 0) == 0) kv_dtype = parse_dtype(argv[i] + 9);
+        const std::string pair = argv[i];
+        const std::string name = pair.substr(0, pair.find('='));
+        const char* value = argv[i] + name.size() + 1;
+        if (name == "kv_dtype") cache.kv_dtype = parse_dtype(value);
+        else if (name == "block_table") {
+            char* end = nullptr;
+            cache.block_table = std::strtoull(value, &end, 10);
+            cache.block_table_stride = std::strtoll(end + 1, nullptr, 10);
+        } else if (name == "page_size") cache.page_size = std::atoi(value);
+        else if (name == "pages") cache.pages = std::atoi(value);
+        else if (name == "cache_seqlens") cache.cache_seqlens = std::strtoull(value, nullptr, 10);
+        else if (name == "num_splits") cache.num_splits = std::atoi(value);
+        else if (name == "cu_seqlens_q") cache.cu_seqlens_q = std::strtoull(value, nullptr, 10);
+        else if (name == "total_q") cache.total_q = std::atoll(value);
         else fields.push_back(argv[i]);
     }
     fagen::AttentionBackward a = read_call(static_cast<int>(fields.size()), fields.data());
@@ -169,9 +184,10 @@ static int make_call(int argc, char** argv) {
         const fagen::Result<size_t> bytes = bundle->backward_semaphore_bytes(a);
         if (!bytes.ok()) status = bytes.status();
     } else if (entry == "kvcache") {
-        fagen::KvCacheAttention cache;
+        const CUdeviceptr cu_seqlens_q = cache.cu_seqlens_q;
+        const long long total_q = cache.total_q;
         static_cast<fagen::Attention&>(cache) = a;
-        cache.kv_dtype = kv_dtype;
+        cache.cu_seqlens_q = cu_seqlens_q, cache.total_q = total_q;
         status = bundle->attention_kvcache(cache, nullptr);
     }
     std::printf("%s\n", status.ok() ? "ok" : ("error: " + status.message()).c_str());
@@ -311,6 +327,10 @@ int main(int argc, char** argv) {
         const fagen::GridDims g = fagen::grid_dims(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]),
                                                    v[3], v[4], v[5], v[6], v[7], v[8], v[9]);
         std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
+        return 0;
+    }
+    if (argc == 4 && std::strcmp(argv[1], "--cache-box") == 0) {
+        std::printf("%d\n", fagen::cache_box_rows(std::atoi(argv[2]), std::atoi(argv[3])));
         return 0;
     }
     if (argc == 5 && std::strcmp(argv[1], "--walk") == 0) {
