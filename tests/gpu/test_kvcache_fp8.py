@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attention_reference import Mods  # noqa: E402
-from test_kvcache import Cache, check_rows, run  # noqa: E402
+from test_kvcache import Cache, check_rows  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
 from fagen.torch import flash_attn_with_kvcache  # noqa: E402
