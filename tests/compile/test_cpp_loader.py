@@ -728,6 +728,21 @@ def parse_record(stdout: str) -> tuple[list[dict], tuple, bytes | None, str]:
     return maps, grid, params, lines[-1] if lines else ""
 
 
+def assert_launch_as_prepared(result, grid, expected, recorded_maps) -> list[dict]:
+    """open_bundle --call's recorded launch is Python's prepared one: it succeeded with the same
+    grid, FagenFwdParams field by field and TMA maps (q, k, v in order; none without TMA).
+    Returns the maps."""
+    assert result.returncode == 0, result.stderr
+    maps, got_grid, params, last = parse_record(result.stdout)
+    assert last == "ok"
+    assert got_grid == grid
+    got = abi.FwdParams.from_buffer_copy(params)
+    for field, _ in abi.FwdParams._fields_:
+        assert getattr(got, field) == getattr(expected, field), field
+    assert maps == recorded_maps
+    return maps
+
+
 def forward_calls():
     """(problem, tensors, descales, compute capability) of the forward calls held to Python's."""
     from fagen.runtime.call import Problem, Tensor
@@ -768,14 +783,7 @@ def test_cpp_forward_launches_as_python_prepares(fa3_programs, python_calls, rec
     open_bundle, _, driver_dir = fa3_programs
     result = run(open_bundle, "--call", python_calls.path, "forward", *cli_call(problem, tensors, descales, scale=0.1),
                  driver_dir=driver_dir, cc=cc, record=True)
-    assert result.returncode == 0, result.stderr
-    maps, grid, params, last = parse_record(result.stdout)
-    assert last == "ok"
-    assert grid == prepared.grid
-    got = abi.FwdParams.from_buffer_copy(params)
-    for field, _ in abi.FwdParams._fields_:
-        assert getattr(got, field) == getattr(expected, field), field
-    assert maps == recorded_tensor_maps  # q, k, v in order; none without TMA
+    maps = assert_launch_as_prepared(result, prepared.grid, expected, recorded_tensor_maps)
     if problem.dtype == "e4m3":  # bytes, in boxes of 128 of them
         uint8 = int(driver.cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
         assert {m["data_type"] for m in maps} == {uint8} and {m["box"][0] for m in maps} == {128}
@@ -819,14 +827,7 @@ def test_cpp_kvcache_prefill_launches_as_python_prepares(fa3_programs, python_ca
     open_bundle, _, driver_dir = fa3_programs
     result = run(open_bundle, "--call", python_calls.path, "kvcache", *cli_call(problem, tensors, None, **fields),
                  driver_dir=driver_dir, cc=(9, 0), record=True)
-    assert result.returncode == 0, result.stderr
-    maps, grid, params, last = parse_record(result.stdout)
-    assert last == "ok"
-    assert grid == prepared.grid
-    got = abi.FwdParams.from_buffer_copy(params)
-    for field, _ in abi.FwdParams._fields_:
-        assert getattr(got, field) == getattr(expected, field), field
-    assert maps == recorded_tensor_maps
+    maps = assert_launch_as_prepared(result, prepared.grid, expected, recorded_tensor_maps)
     box = maps[1]["box"][1]
     assert box == contract.cache_box_rows(page_size, 128) == {64: 64, 256: 128, 16: 16, 0: 128}[page_size]
 

@@ -17,7 +17,7 @@ from attention_reference import Mods, forward_failures  # noqa: E402
 from test_fa2_fwd import poison_allocator  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
-from fagen.torch import flash_attn_with_kvcache  # noqa: E402
+from fagen.torch import flash_attn_with_kvcache, quantize_e4m3  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -353,10 +353,8 @@ def test_every_paged_kernel_of_the_bundle(bundle):
         if key.kv_dtype == "e4m3":  # an FP8 cache: its bytes to the kernel, their values to the reference
             stored = {}
             for name in ("k", "v"):
-                x = getattr(cache, name).float()
-                descale = (x.abs().amax() / 448).reshape(1)
-                stored[name] = ((x / descale).clamp(-448, 448).to(torch.float8_e4m3fn), descale)
-                setattr(cache, name, stored[name][0].float() * descale)
+                stored[name] = quantize_e4m3(getattr(cache, name))
+                setattr(cache, name, stored[name][0].float() * stored[name][1])
             (cache_k, k_descale), (cache_v, v_descale) = stored["k"], stored["v"]  # alive through the launch
             descales = call.Descales(k=k_descale.data_ptr(), v=v_descale.data_ptr())
         q = torch.randn(3, 2, 8, key.head_dim, device="cuda", dtype=dtype)

@@ -20,7 +20,7 @@ from attention_reference import Mods  # noqa: E402
 from test_kvcache import Cache, check_rows  # noqa: E402
 from fagen import contract  # noqa: E402
 from fagen.runtime import KernelNotFound  # noqa: E402
-from fagen.torch import flash_attn_with_kvcache  # noqa: E402
+from fagen.torch import flash_attn_with_kvcache, quantize_e4m3  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,9 +46,10 @@ def every_finite_code(count: int) -> torch.Tensor:
 
 
 class Fp8Cache:
-    """`cache`'s keys and values quantised to e4m3 (per tensor, or per (batch row, KV head) for a
-    contiguous cache): `k8`, `v8` and their descales for the call, and `reference`, the same
-    Cache holding the dequantised values in fp32 for check_rows."""
+    """`cache`'s keys and values quantised to e4m3 (per tensor by fagen.torch.quantize_e4m3, or
+    per (batch row, KV head) for a contiguous cache, every other head's descale halved so that
+    its largest values saturate): `k8`, `v8` and their descales for the call, and `reference`,
+    the same Cache holding the dequantised values in fp32 for check_rows."""
 
     def __init__(self, cache: Cache, per_head: bool):
         self.reference = cache
@@ -61,8 +62,7 @@ class Fp8Cache:
                 stored = (x / descale[:, None, :, None]).clamp(-448, 448).to(E4M3)
                 value = stored.float() * descale[:, None, :, None]
             else:
-                descale = (x.abs().amax() / 448).reshape(1)
-                stored = (x / descale).clamp(-448, 448).to(E4M3)
+                stored, descale = quantize_e4m3(x)
                 value = stored.float() * descale
             setattr(self, f"{name}8", stored)
             setattr(cache, name, value)
