@@ -351,6 +351,34 @@ BWD_ROWS_PER_CTA = 64  # 4 warps, a row each at a time: 16 rows per warp
 BWD_ROW_THREADS = 128
 
 
+# e4m3 forwards: one cubin, two entry points run in this order on one stream. 8-bit wgmma takes
+# its B operand K-major only, so P V reads V^T: the companion (<name>_vt) writes the call's V as
+# V^T into the workspace (templates/include/fagen/algo/v_transpose.cuh: (batch, heads_kv,
+# head_dim_v, vt_keys(seqlen_k)), keys permuted within each 16), on grid vt_grid with
+# vt_threads(head_dim_v) threads (one per 16 keys by 16 columns), no dynamic shared memory; the forward's V map (FagenTmaMaps.v) is
+# over that V^T: (vt_keys, head_dim_v, heads_kv, batch), boxes of 128 keys by head_dim_v rows.
+E4M3_VT_SUFFIX = "_vt"
+VT_KEY_GROUP = 16  # keys permuted together; a V^T row is whole groups (16 bytes)
+VT_KEYS_PER_CTA = 128
+VT_COLUMNS_PER_THREAD = 16
+
+
+def vt_keys(seqlen_k: int) -> int:
+    return -(-seqlen_k // VT_KEY_GROUP) * VT_KEY_GROUP
+
+
+def vt_workspace_bytes(batch: int, heads_kv: int, head_dim_v: int, seqlen_k: int) -> int:
+    return batch * heads_kv * head_dim_v * vt_keys(seqlen_k)
+
+
+def vt_grid(seqlen_k: int, heads_kv: int, batch: int) -> tuple[int, int, int]:
+    return (-(-seqlen_k // VT_KEYS_PER_CTA), heads_kv, batch)
+
+
+def vt_threads(head_dim_v: int) -> int:
+    return VT_KEYS_PER_CTA // VT_KEY_GROUP * (head_dim_v // VT_COLUMNS_PER_THREAD)
+
+
 # The dQ accumulator's rows per (batch, head) are padded to a multiple of this: the FA2
 # backward adds it in whole 16 x 8 fragment tiles (templates/include/fagen/algo/backward_rows.cuh),
 # the last of which would otherwise reach into the next head's rows.

@@ -487,6 +487,13 @@ int main(int argc, char** argv) {
         a.total_q = static_cast<long long>(o.batch) * o.seqlen_q;
         a.total_k = static_cast<long long>(o.batch) * o.seqlen_k;
     }
+    // The scratch the forward needs (an e4m3 forward's V^T; none for most kernels).
+    auto workspace_bytes = bundle->forward_workspace_bytes(a);
+    if (!workspace_bytes.ok()) return fail(workspace_bytes.status().message());
+    if (workspace_bytes.value() > 0) {
+        if (fagen::Status s = cu.check(cu.mem_alloc(&a.workspace, workspace_bytes.value()), "cuMemAlloc(workspace)"); !s.ok())
+            return fail(s.message());
+    }
     CUstream stream = nullptr;  // the legacy default stream
     if (fagen::Status s = bundle->attention(a, stream); !s.ok()) return fail(s.message());
     if (fagen::Status s = cu.check(cu.stream_synchronize(stream), "cuStreamSynchronize"); !s.ok()) return fail(s.message());

@@ -11,6 +11,7 @@ from ..contract import (
     CACHE_DTYPE_SEPARATOR, CACHE_TMA_BOX_ROWS, DQ_ACCUM_ROW_ALIGN, DTYPE_BYTES, DTYPES, GRIDS, HEAD_DIM_MULTIPLE, KEY_FORMAT, LAYOUTS,
     LAYOUT_SUFFIX, LOG2_E, MASKS, MASK_KINDS, MAX_GRID_YZ, MAX_HEAD_DIM, MAX_SPLITS,
     MIN_SCALE_LOG2, PAGED_TILE_MIN_QUERIES, SCORE_MODS, SINK_PARTIAL_ROWS, SPLIT_APPEND_SUFFIX, SPLIT_COMBINE_SUFFIX, SPLIT_MERGE_SUFFIX, SPLIT_WAVE_FILL, VARLEN_MIXED_ROWS,
+    E4M3_VT_SUFFIX, VT_COLUMNS_PER_THREAD, VT_KEY_GROUP, VT_KEYS_PER_CTA,
     dtypes_name, kernel_key, output_dtype, stride_multiple, tma_box_columns, variant_name,
 )
 
@@ -31,7 +32,8 @@ def _cpp_key_expression() -> str:
 
 
 # The launch-shape and workspace rules above, in C++ for fagen.hpp (which calls these rather than
-# re-deriving them): Launch.grid_dims, bwd_row_grid, dq_accum_rows, BackwardWorkspace.of and .varlen.
+# re-deriving them): Launch.grid_dims, bwd_row_grid, vt_keys / vt_workspace_bytes / vt_grid / vt_threads,
+# dq_accum_rows, BackwardWorkspace.of and .varlen.
 # tests/compile/test_cpp_loader.py holds each to its Python twin over a grid of shapes.
 _CPP_RULES = """\
 /* Launch.grid_dims: the grid of a kernel (grid: FAGEN_GRID_*; sms: the device's multiprocessors,
@@ -95,6 +97,20 @@ inline GridDims companion_grid(long long batch, long long rows, long long heads)
 /* bwd_row_grid: the grid of a backward's preprocess and dQ kernels. */
 inline GridDims bwd_row_grid(long long seqlen_q, long long heads_q, long long batch) {
     return {(seqlen_q + FAGEN_BWD_ROWS_PER_CTA - 1) / FAGEN_BWD_ROWS_PER_CTA, heads_q, batch};
+}
+/* vt_keys, vt_workspace_bytes, vt_grid, vt_threads: an e4m3 forward's V^T (its row length in
+   keys, the workspace it takes) and its companion's grid and block. */
+inline long long vt_keys(long long seqlen_k) {
+    return (seqlen_k + FAGEN_VT_KEY_GROUP - 1) / FAGEN_VT_KEY_GROUP * FAGEN_VT_KEY_GROUP;
+}
+inline long long vt_workspace_bytes(long long batch, long long heads_kv, long long head_dim_v, long long seqlen_k) {
+    return batch * heads_kv * head_dim_v * vt_keys(seqlen_k);
+}
+inline GridDims vt_grid(long long seqlen_k, long long heads_kv, long long batch) {
+    return {(seqlen_k + FAGEN_VT_KEYS_PER_CTA - 1) / FAGEN_VT_KEYS_PER_CTA, heads_kv, batch};
+}
+inline int vt_threads(int head_dim_v) {
+    return FAGEN_VT_KEYS_PER_CTA / FAGEN_VT_KEY_GROUP * (head_dim_v / FAGEN_VT_COLUMNS_PER_THREAD);
 }
 /* dq_accum_rows: the dQ accumulator's rows per (batch, head). */
 inline long long dq_accum_rows(long long seqlen_q) {
@@ -177,6 +193,11 @@ def render_contract_header() -> str:
         f"#define FAGEN_BWD_ROW_THREADS {BWD_ROW_THREADS}",
         f"#define FAGEN_DQ_ACCUM_ROW_ALIGN {DQ_ACCUM_ROW_ALIGN}",
         f"#define FAGEN_SINK_PARTIAL_ROWS {SINK_PARTIAL_ROWS}",
+        "/* e4m3 forwards: the V^T companion run before the main kernel (fagen/contract.py). */",
+        f"#define FAGEN_E4M3_VT_SUFFIX \"{E4M3_VT_SUFFIX}\"",
+        f"#define FAGEN_VT_KEY_GROUP {VT_KEY_GROUP}",
+        f"#define FAGEN_VT_KEYS_PER_CTA {VT_KEYS_PER_CTA}",
+        f"#define FAGEN_VT_COLUMNS_PER_THREAD {VT_COLUMNS_PER_THREAD}",
         "/* Split-KV kernels: the combine, append and merge entry points and split_count's limits",
         "   (fagen/contract.py). */",
         f"#define FAGEN_SPLIT_COMBINE_SUFFIX \"{SPLIT_COMBINE_SUFFIX}\"",

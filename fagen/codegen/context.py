@@ -29,6 +29,7 @@ def build_context(spec: KernelSpec) -> dict:
         "custom_mask_name": spec.custom_mask.name if spec.custom_mask else "",
         "custom_mask_source": spec.custom_mask.source if spec.custom_mask else "",
         "layout": spec.layout,
+        "dtype": spec.dtype,
         "abi_version": abi.ABI_VERSION,
         "abi_struct": abi.C_STRUCT_NAMES[params],
         # Each struct a template's entry points take, for its static_asserts: the kernel's

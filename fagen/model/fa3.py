@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from .. import contract
 from .arch import Arch
-from .base import Constexpr, KernelSpec, TileBase
+from .base import Constexpr, KernelSpec, SoftmaxTricksTile
 from .layout import (
     MBARRIERS_PER_STAGE, SWIZZLE_ROW_BYTES, TMA_COLUMNS, TmaRingLayout, consumer_registers,
     smem_limit_problems, value_dim_rule,
@@ -45,8 +45,6 @@ PRODUCER_REGISTERS = 24
 # spills under setmaxnreg 160.
 REGISTER_OVERHEAD = 28
 MBARRIERS_PER_Q_STAGE = 2  # q_full, q_empty
-# e4m3: each K/V stage also holds V^T (algo/v_transpose.cuh), with its own vt_full, vt_empty.
-MBARRIERS_PER_VT_STAGE = 2
 # e4m3: V^T's rows are block_n keys, one 128-byte swizzle row (the P V wgmma's K-major B).
 E4M3_BLOCK_N = SWIZZLE_ROW_BYTES
 # Consumer warpgroups per CTA. One-consumer tiles (two CTAs per SM) measured 35-50 % faster than
@@ -55,7 +53,7 @@ E4M3_BLOCK_N = SWIZZLE_ROW_BYTES
 CONSUMER_CHOICES = (2, 3)
 
 
-class Fa3Tile(TileBase):
+class Fa3Tile(SoftmaxTricksTile):
     ALGORITHM: ClassVar[str] = "fa3 fwd"
 
     block_m: int = Field(gt=0, description="query rows per CTA: 64 per consumer warpgroup")
@@ -78,7 +76,7 @@ class Fa3Tile(TileBase):
     SUFFIXES: ClassVar[tuple[tuple[str, str], ...]] = (
         ("warp_specialized", "ws"), ("pingpong", "pp"), ("intra_wg_overlap", "ov"),
         ("persistent", "ps"), ("early_first_qk", "fq"), ("peel_masked_blocks", "pm"),
-        ("mma_row_sum", "ms"))
+        ("mma_row_sum", "ms"), *SoftmaxTricksTile.SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -110,9 +108,10 @@ class Fa3Geometry(TmaRingLayout):
         return self.head_dim_v + (ROW_SUM_COLUMNS if self.mma_row_sum else 0)
 
     @property
-    def transposes_v(self) -> bool:
-        """e4m3: wgmma takes 8-bit B operands K-major only, so the producer warpgroup copies
-        each V tile into a V^T tile (algo/v_transpose.cuh) that P V reads."""
+    def reads_v_transposed(self) -> bool:
+        """e4m3: wgmma takes 8-bit B operands K-major only, so P V reads V^T tiles (head_dim_v
+        rows of block_n keys, the V tile's bytes), which the kernel's companion wrote
+        (algo/v_transpose.cuh)."""
         return self.element_bytes == 1
 
     @property
@@ -121,24 +120,18 @@ class Fa3Geometry(TmaRingLayout):
         return SWIZZLE_ROW_BYTES // self.element_bytes
 
     @property
-    def smem_vt_tile_bytes(self) -> int:
-        return self.head_dim_v * self.block_n * self.element_bytes if self.transposes_v else 0
-
-    @property
     def smem_v_stage_bytes(self) -> int:
         """mma_row_sum: each V tile is followed by a 64-column chunk of ones (block_n rows of
         128 bytes, all of them ones so that the swizzle cannot pick a wrong column), which the
         P V wgmma reads as its columns head_dim_v ... head_dim_v + 7: the chunk after V's last
-        one, at the same chunk stride. e4m3: by the V^T tile instead."""
+        one, at the same chunk stride."""
         ones_chunk = self.block_n * SWIZZLE_ROW_BYTES if self.mma_row_sum else 0
-        return self.smem_v_tile_bytes + ones_chunk + self.smem_vt_tile_bytes
+        return self.smem_v_tile_bytes + ones_chunk
 
     @property
     def smem_control_bytes(self) -> int:
-        """The mbarriers, and with e4m3 the transposing warps' loads_end word (8 bytes)."""
-        per_stage = MBARRIERS_PER_STAGE + (MBARRIERS_PER_VT_STAGE if self.transposes_v else 0)
-        loads_end = 1 if self.transposes_v else 0
-        return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + per_stage * self.stages + loads_end)
+        """The mbarriers."""
+        return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + MBARRIERS_PER_STAGE * self.stages)
 
     @property
     def consumer_registers(self) -> int:
@@ -177,7 +170,7 @@ class Fa3Geometry(TmaRingLayout):
             out.append(f"tile.mma_row_sum: no wgmma wrapper for N = {self.pv_columns}")
         if self.pingpong and self.consumers != 2:
             out.append("tile.pingpong: needs two consumer warpgroups (block_m=128)")
-        if self.transposes_v:
+        if self.reads_v_transposed:
             out.extend(self._e4m3_problems())
         if not (2 <= self.stages <= 4):
             out.append(f"tile.stages={self.stages}: must be in [2, 4]")
@@ -323,15 +316,17 @@ TUNING: tuple[TuningRow, ...] = (
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
               causal=True),
-    # ---- e4m3 (FP8): block_n is 128 (E4M3_BLOCK_N); each stage holds K, V and V^T.
+    # ---- e4m3 (FP8): block_n is 128 (E4M3_BLOCK_N); each stage holds K and V^T.
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3), 128,
-              "e4m3: S 64 + O 64 + P 16 regs per consumer; a third K/V/V^T stage (161 KB smem) "
-              "measured 583/635 against 499/523 TFLOP/s causal and 601/638 against 596/627 "
-              "non-causal at 4k/16k (one round each, 2026-12-04); ping-pong 467-532, below both",
+              "e4m3: S 64 + O 64 + P 16 regs per consumer; three K/V^T stages (113 KB smem): "
+              "four measured the same (785-842 against 795-850 TFLOP/s at 4k/16k non-causal, "
+              "2026-12-04); ping-pong 467-532 against 596-627 (before V^T came from the "
+              "companion)",
               dtypes=("e4m3",)),
-    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 256,
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3), 256,
               "e4m3: O alone is 128 regs per consumer (S 64 + P 16 beside it, of the 240 two "
-              "consumers get); 225 KB smem (Q 32 KB + 2 stages x K, V, V^T 32 KB each)",
+              "consumers get); 225 KB smem (Q 32 KB + 3 stages x K, V^T 32 KB each); two stages "
+              "measured 1034 against 1116 TFLOP/s causal at 16k, the same elsewhere (2026-12-04)",
               dtypes=("e4m3",)),
 )
 
@@ -362,6 +357,9 @@ class Fa3ForwardSpec(KernelSpec):
     def _check_e4m3_variant(self) -> "Fa3ForwardSpec":
         """e4m3 kernels exist for the dense layout with the built-in masks and no score
         modifier: their descales scale the scores, which the modifiers' code does not yet take."""
+        if self.tile.rescale_threshold is not None:
+            raise ValueError("tile.rescale_threshold: not built for FA3 (e4m3's P, scaled to use its range, "
+                             "would pass 448 when the reference maximum lags)")
         if self.dtype != "e4m3":
             return self
         if self.layout != "dense":
@@ -404,6 +402,10 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
             Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
             Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
+            *self.tile.softmax_constexprs(),
+            Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
+            Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),
+            Constexpr("kVtThreads", contract.vt_threads(g.head_dim_v)),
         ]
 
     @property

@@ -261,16 +261,18 @@ def _map_tensor(tensor: Tensor, rows: int) -> Tensor:
 
 
 def _qkv_map_blob(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch,
-                  varlen: Varlen | None = None) -> bytes:
+                  varlen: Varlen | None = None, workspace: int = 0) -> bytes:
     p = problem
     rows_q, rows_k, batch = _map_rows(problem, varlen)
     if varlen is not None:
         q, k, v = _map_tensor(q, rows_q), _map_tensor(k, rows_k), _map_tensor(v, rows_k)
-    return b"".join((
-        _tensor_map(p.dtype, q, rows_q, p.heads_q, batch, p.head_dim, launch.tma_q_rows),
-        _tensor_map(p.dtype, k, rows_k, p.heads_kv, batch, p.head_dim, launch.tma_kv_rows),
-        _tensor_map(p.dtype, v, rows_k, p.heads_kv, batch, p.value_dim, launch.tma_kv_rows),
-    ))
+    qk_maps = (_tensor_map(p.dtype, q, rows_q, p.heads_q, batch, p.head_dim, launch.tma_q_rows),
+               _tensor_map(p.dtype, k, rows_k, p.heads_kv, batch, p.head_dim, launch.tma_kv_rows))
+    if p.dtype == e4m3.E4M3:  # V^T in the workspace (contract.E4M3_VT_SUFFIX); dense only
+        keys = contract.vt_keys(p.seqlen_k)
+        vt = Tensor(workspace, p.heads_kv * p.value_dim * keys, keys, p.value_dim * keys)
+        return b"".join((*qk_maps, _tensor_map(p.dtype, vt, p.value_dim, p.heads_kv, batch, keys, p.value_dim)))
+    return b"".join((*qk_maps, _tensor_map(p.dtype, v, rows_k, p.heads_kv, batch, p.value_dim, launch.tma_kv_rows)))
 
 
 def _blob_array(blob: bytes) -> ctypes.Array:
@@ -278,12 +280,13 @@ def _blob_array(blob: bytes) -> ctypes.Array:
 
 
 def tma_maps(problem: Problem, q: Tensor, k: Tensor, v: Tensor, launch: contract.Launch,
-             varlen: Varlen | None = None) -> ctypes.Array:
+             varlen: Varlen | None = None, workspace: int = 0) -> ctypes.Array:
     """FagenTmaMaps (params.h): maps over (head_dim, seqlen, heads, batch) (V: head_dim_v) of
     the problem's dtype, boxes of one 128-byte swizzle row (contract.tma_box_columns) by
     launch.tma_q_rows (Q) or launch.tma_kv_rows (K, V) rows; varlen: over the packed rows,
-    batch 1."""
-    return _blob_array(_qkv_map_blob(problem, q, k, v, launch, varlen))
+    batch 1. e4m3: the V map is over the V^T at `workspace` (contract.E4M3_VT_SUFFIX):
+    (vt_keys, head_dim_v, heads_kv, batch), boxes of 128 keys by head_dim_v rows."""
+    return _blob_array(_qkv_map_blob(problem, q, k, v, launch, varlen, workspace))
 
 
 def bwd_tma_maps(problem: Problem, t: "BackwardTensors", launch: contract.Launch,
@@ -342,25 +345,46 @@ def fwd_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
 
 @dataclass(frozen=True)
+class VtLaunch:
+    """An e4m3 forward's V^T companion (contract.E4M3_VT_SUFFIX): its grid, and what the maps
+    over the call's tensors and the V^T in the workspace are made of (tma_maps)."""
+
+    grid: tuple[int, int, int]
+    problem: Problem
+    tensors: tuple[Tensor, Tensor, Tensor]  # q, k, v
+    launch: contract.Launch
+
+    def maps(self, workspace: int) -> ctypes.Array:
+        return tma_maps(self.problem, *self.tensors, self.launch, workspace=workspace)
+
+
+@dataclass(frozen=True)
 class PreparedAttention:
     """A checked, selected and parameterised launch; ``launch`` adds the output addresses."""
 
     kernel: LoadedKernel
     grid: tuple[int, int, int]
     params: bytes  # FagenFwdParams with o = lse = 0
-    extra_params: tuple  # FagenTmaMaps of TMA kernels
+    extra_params: tuple  # FagenTmaMaps of TMA kernels (an e4m3 forward's: vt.maps)
     device: int
-    workspace_bytes: int  # fp32 scratch the kernel needs (FA1); 0: none
+    # The scratch the kernel needs, 0: none: FA1's fp32 rows, an e4m3 forward's V^T.
+    workspace_bytes: int
+    vt: VtLaunch | None = None
 
     def enqueue(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
         """launch() for a caller that made the device's primary context current."""
         params = FwdParams.from_buffer_copy(self.params)
         params.o, params.lse = out, lse
         extra = self.extra_params
-        if self.workspace_bytes:
-            if not workspace:
-                raise AttentionError(f"kernel {self.kernel.entry.name} needs a workspace of "
-                                     f"{self.workspace_bytes} bytes")
+        if self.workspace_bytes and not workspace:
+            raise AttentionError(f"kernel {self.kernel.entry.name} needs a workspace of "
+                                 f"{self.workspace_bytes} bytes")
+        if self.vt is not None:
+            self.kernel.enqueue_companion(contract.E4M3_VT_SUFFIX, params, self.vt.grid,
+                                          contract.vt_threads(self.vt.problem.value_dim), stream,
+                                          (ctypes.c_void_p(workspace),))
+            extra = (self.vt.maps(workspace),)
+        elif self.workspace_bytes:
             extra = (*extra, ctypes.c_void_p(workspace))
         self.kernel.enqueue(params, self.grid, stream, self.device, extra)
 
@@ -417,9 +441,14 @@ def prepare(bundle: Bundle, problem: Problem, q: Tensor, k: Tensor, v: Tensor, o
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1), tma, problem.dtype)
     _check_tensor("out", out, False, contract.output_dtype(problem.dtype))
+    params = fwd_params(problem, q, k, v, out, scale, score_tensors, varlen, descales)
+    if problem.dtype == e4m3.E4M3:  # dense only (check_problem)
+        p = problem
+        vt = VtLaunch(contract.vt_grid(p.seqlen_k, p.heads_kv, p.batch), p, (q, k, v), entry.launch)
+        return PreparedAttention(bundle.kernel(entry), grid, bytes(params), (), device,
+                                 contract.vt_workspace_bytes(p.batch, p.heads_kv, p.value_dim, p.seqlen_k), vt)
     extra = (tma_maps(problem, q, k, v, entry.launch, varlen),) if tma else ()
     workspace = 4 * entry.launch.workspace_floats(problem.seqlen_q, problem.heads_q, problem.batch)
-    params = fwd_params(problem, q, k, v, out, scale, score_tensors, varlen, descales)
     return PreparedAttention(bundle.kernel(entry), grid, bytes(params), extra, device, workspace)
 
 

@@ -226,16 +226,16 @@ class LoadedKernel:
         )
 
     def enqueue_companion(self, suffix: str, params: ctypes.Structure, grid: tuple[int, int, int],
-                          threads: int, stream: int) -> None:
+                          threads: int, stream: int, extra_params: tuple = ()) -> None:
         """Launch the cubin's kernel `<name><suffix>` (a backward's preprocess or dQ kernel,
-        fagen/contract.py), which takes no dynamic shared memory; the caller made the device's
-        primary context current."""
+        fagen/contract.py) with `params` and `extra_params`; it takes no dynamic shared memory;
+        the caller made the device's primary context current."""
         kernel = self._companions.get(suffix)
         if kernel is None:
             with self._lock:
                 kernel = self._companions.setdefault(
                     suffix, driver.get_kernel(self._library, self.entry.name + suffix))
-        driver.launch(kernel, grid, (threads, 1, 1), 0, stream, (params,))
+        driver.launch(kernel, grid, (threads, 1, 1), 0, stream, (params, *extra_params))
 
 
 class Bundle:

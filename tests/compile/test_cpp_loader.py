@@ -545,7 +545,8 @@ def test_cpp_tma_maps_match_python(open_bundle, recorded_tensor_maps, shape, dty
         names = ("q", "k", "v", "dout", "dq_accum")
         extra = [cli["dout"], dq_accum]
     else:
-        call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch)
+        # e4m3: the V map is over the V^T in the workspace, at open_bundle's kE4m3Workspace
+        call.tma_maps(problem, tensors["q"], tensors["k"], tensors["v"], launch, workspace=9 << 20)
         names = ("q", "k", "v")
         extra = []
     assert len(recorded_tensor_maps) == len(names)
@@ -634,6 +635,7 @@ FA3_STAND_INS = {"fwd/e4m3/hd128/causal": (128, 128), "fwd/bf16/hd128/causal": (
                  "fwd/bf16/hd128/local/paged": (128, 128)}  # key: TMA box rows
 BATCH, SEQLEN_Q, SEQLEN_K, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 300, 500, 8, 2, 128
 LSE, DESCALE, ARRAY = 6 << 20, 7 << 20, 8 << 20  # addresses of the LSE, fp32 descales, other fp32 arrays
+WORKSPACE = 12 << 20  # an e4m3 forward's V^T
 
 
 @pytest.fixture(scope="module")
@@ -779,9 +781,14 @@ def test_cpp_forward_launches_as_python_prepares(fa3_programs, python_calls, rec
     prepared = prepare(python_calls, problem, *tensors.values(), softmax_scale=0.1, entry=entry, descales=descales)
     expected = abi.FwdParams.from_buffer_copy(prepared.params)
     expected.o, expected.lse = tensors["out"].data, LSE  # what launch() adds
+    fields = {"scale": 0.1}
+    if prepared.vt is not None:  # e4m3: the maps over V^T in the workspace, made at launch
+        assert prepared.workspace_bytes == contract.vt_workspace_bytes(BATCH, HEADS_KV, HEAD_DIM, SEQLEN_K)
+        prepared.vt.maps(WORKSPACE)
+        fields["workspace"] = WORKSPACE
 
     open_bundle, _, driver_dir = fa3_programs
-    result = run(open_bundle, "--call", python_calls.path, "forward", *cli_call(problem, tensors, descales, scale=0.1),
+    result = run(open_bundle, "--call", python_calls.path, "forward", *cli_call(problem, tensors, descales, **fields),
                  driver_dir=driver_dir, cc=cc, record=True)
     maps = assert_launch_as_prepared(result, prepared.grid, expected, recorded_tensor_maps)
     if problem.dtype == "e4m3":  # bytes, in boxes of 128 of them

@@ -385,15 +385,25 @@ def test_wgmma_ss_e4m3(sm90a_arch):
 @pytest.mark.parametrize("columns", [128, 256])
 def test_wgmma_rs_e4m3_through_v_transpose(sm90a_arch, columns):
     """O += P V as the FP8 forward computes it: P (64 x 128 keys) from the fp32 accumulator layout
-    through pack_a_fragment<e4m3>, V (128 keys x `columns`) landed by TMA and turned into V^T by
-    transpose_v_tile (keys permuted within every 16 to match P's registers), wgmma m64nNk32 with
-    A from registers: D = C + P @ V, exactly."""
+    through pack_a_fragment<e4m3>, V (128 keys x `columns`) turned into V^T by the companion's
+    transpose_v_block (keys permuted within every 16 to match P's registers: V^T column 4q+i holds
+    key {2q, 2q+1, 8+2q, 9+2q}[i]), TMA-loaded, wgmma m64nNk32 with A from registers:
+    D = C + P @ V, exactly."""
+    from fagen import abi
+
     torch.manual_seed(columns)
     p = e4m3_exact(64, 128).abs()  # probabilities are non-negative
     v, c = e4m3_exact(128, columns), exact_values(64, columns)
     v_dev, p_dev, c_dev = v.to(torch.float8_e4m3fn).cuda(), p.cuda(), c.cuda()
+    vt_dev = torch.full((columns, 128), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    params = abi.FwdParams(v=v_dev.data_ptr(), v_row_stride=columns, seqlen_k=128, heads_kv=1, batch=1)
+    run(probe_kernel("wgmma_e4m3", sm90a_arch, f"probe_transpose_v_n{columns}"), 1, columns // 2, 0, params,
+        ptr(vt_dev))
+    within = torch.tensor([2 * (i // 4) + (i % 2) + 8 * ((i % 4) // 2) for i in range(16)])
+    keys = (torch.arange(128) // 16 * 16).view(8, 1) + within
+    assert torch.equal(vt_dev.view(torch.uint8).cpu(), v_dev.view(torch.uint8).cpu()[keys.flatten()].T)
     d = nan_tensor(64, columns)
-    smem = SWIZZLE_ATOM_BYTES + 2 * 128 * columns + BARRIER_BYTES
+    smem = SWIZZLE_ATOM_BYTES + 128 * columns + BARRIER_BYTES
     kernel = probe_kernel("wgmma_e4m3", sm90a_arch, f"probe_wgmma_rs_e4m3_n{columns}", smem)
-    run(kernel, 1, 128, smem, e4m3_map(v_dev, 128), ptr(p_dev), ptr(c_dev), ptr(d))
+    run(kernel, 1, 128, smem, e4m3_map(vt_dev, columns), ptr(p_dev), ptr(c_dev), ptr(d))
     assert_matrix_equal(d, c + p @ v)

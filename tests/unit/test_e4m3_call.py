@@ -4,6 +4,7 @@ and fp16/bf16 calls unchanged by it."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import pytest
@@ -43,17 +44,41 @@ def bundle(tmp_path):
 def test_an_e4m3_call_maps_bytes_in_128_column_boxes(bundle, fake):  # noqa: F811
     prepared = prepare(bundle, PROBLEM, Q, K, V, OUT, softmax_scale=0.125, descales=DESCALES)
     assert prepared.kernel.entry.key == E4M3_KEY
+    keys = contract.vt_keys(SEQLEN_K)
+    assert keys == 512 and prepared.workspace_bytes == BATCH * HEADS_KV * 128 * keys
+    with pytest.raises(AttentionError, match=f"needs a workspace of {prepared.workspace_bytes} bytes"):
+        prepared.launch(0x40000, 0, 0)
+    second_parameters = []
+    real = fake.cuLaunchKernelEx
+
+    def launch(config, kernel, params, extra):
+        second = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[1]
+        second_parameters.append((ctypes.c_void_p.from_address(second).value, ctypes.string_at(second, 3 * 128)))
+        return real(config, kernel, params, extra)
+
+    fake.cuLaunchKernelEx = launch
+    prepared.launch(0x40000, 0, 0, workspace=0x60000)
     # One-byte elements: byte strides are the element strides; a box row is 128 of them (128
-    # bytes, the swizzle row), by the launch's 128 rows.
+    # bytes, the swizzle row), by the launch's 128 rows. V's map is over the V^T its companion
+    # wrote into the workspace: (vt_keys, head_dim_v, heads_kv, batch), boxes of 128 keys by the
+    # head dim.
     assert fake.maps == [
         ("e4m3", 0x10000, (128, SEQLEN_Q, HEADS_Q, BATCH), (HEADS_Q * 128, 128, SEQLEN_Q * HEADS_Q * 128),
          (128, 128, 1, 1)),
         ("e4m3", 0x20000, (128, SEQLEN_K, HEADS_KV, BATCH), (HEADS_KV * 128, 128, SEQLEN_K * HEADS_KV * 128),
          (128, 128, 1, 1)),
-        ("e4m3", 0x30000, (128, SEQLEN_K, HEADS_KV, BATCH), (HEADS_KV * 128, 128, SEQLEN_K * HEADS_KV * 128),
+        ("e4m3", 0x60000, (keys, 128, HEADS_KV, BATCH), (keys, 128 * keys, HEADS_KV * 128 * keys),
          (128, 128, 1, 1)),
     ]
     assert contract.tma_box_columns("e4m3") == 128 and contract.DTYPE_BYTES["e4m3"] == 1
+    # The companion first, on the same stream, with the workspace as its second parameter; then
+    # the forward with the maps.
+    companion, forward = fake.launches
+    assert companion["name"].endswith(contract.E4M3_VT_SUFFIX) and forward["name"] == prepared.kernel.entry.name
+    assert companion["grid"] == contract.vt_grid(SEQLEN_K, HEADS_KV, BATCH) == (4, HEADS_KV, BATCH)
+    assert companion["block"] == (contract.vt_threads(128), 1, 1) == (64, 1, 1) and companion["smem"] == 0
+    assert second_parameters[0][0] == 0x60000  # the companion's V^T
+    assert second_parameters[1][1] == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128  # the forward's maps
 
 
 def test_the_descales_reach_the_parameters(bundle, fake):  # noqa: F811
@@ -79,8 +104,9 @@ def test_without_descales_every_one_is_one(bundle, fake):  # noqa: F811
 
 
 def test_attention_launches_with_the_descales(bundle, fake):  # noqa: F811
-    call.attention(bundle, PROBLEM, Q, K, V, OUT, lse=0x60000, stream=0xABC, descales=DESCALES)
-    (launch,) = fake.launches
+    call.attention(bundle, PROBLEM, Q, K, V, OUT, lse=0x60000, stream=0xABC, descales=DESCALES, workspace=0x70000)
+    companion, launch = fake.launches  # V^T into the workspace, then the forward
+    assert companion["params"].v == launch["params"].v == 0x30000
     params = launch["params"]
     assert (params.o, params.lse, params.q_descale, params.v_descale) == (0x40000, 0x60000, 0x50000, 0x50200)
 

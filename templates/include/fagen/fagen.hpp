@@ -424,6 +424,9 @@ inline std::string forward_key(DType dtype, int head_dim, const std::string& var
 }
 
 // Whether `key` is a kernel of the paged layout (a KV cache's: its last part).
+inline bool is_e4m3_forward_key(const std::string& key) {
+    return key.rfind(std::string("fwd/") + dtype_name(DType::e4m3) + "/", 0) == 0;
+}
 inline bool is_paged_key(const std::string& key) {
     const std::string suffix = "/paged";
     return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -625,8 +628,9 @@ struct Attention {
     int head_dim_v = 0;
     CUdeviceptr q = 0, k = 0, v = 0, out = 0;
     CUdeviceptr lse = 0;  // 0: not written
-    // fp32 scratch for kernels that keep state in global memory (FA1): at least
-    // Kernel::workspace_bytes of the selected kernel; 0 where the kernel needs none.
+    // Scratch for kernels that keep state in global memory, 16-byte aligned, of at least
+    // Bundle::forward_workspace_bytes(*this) bytes; 0 where that is 0: FA1's fp32 rows, an e4m3
+    // forward's V^T (fagen/contract.py: E4M3_VT_SUFFIX).
     CUdeviceptr workspace = 0;
     std::optional<Strides> q_strides, k_strides, v_strides, out_strides;
     // Unset: 1 / sqrt(head_dim). Any finite value >= 0 (0: uniform attention over the keys a row
@@ -821,6 +825,13 @@ public:
         return launch_companion(merge_, &params, companion_grid(params.batch, params.seqlen, params.heads), stream,
                                 "merge");
     }
+    // An e4m3 forward's companion (contract.h: FAGEN_E4M3_VT_SUFFIX): V^T of params.v into `vt`
+    // (vt_workspace_bytes), on `stream` before launch() with maps whose V map is over `vt`.
+    bool transposes_v() const { return transpose_v_ != nullptr; }
+    Status launch_transpose_v(const FagenFwdParams& params, int head_dim_v, CUdeviceptr vt, CUstream stream) const {
+        return launch_companion(transpose_v_, &params, vt_grid(params.seqlen_k, params.heads_kv, params.batch), stream,
+                                "vt", &vt, vt_threads(head_dim_v));
+    }
 
     // A backward (index.h key "bwd/..."): its preprocess, main and dQ kernels (contract.h,
     // FAGEN_BWD_*) on `stream`, in the calling thread's current context; `maps` for a TMA
@@ -871,22 +882,23 @@ private:
     CUkernel combine_ = nullptr;  // split-KV kernels only
     CUkernel append_ = nullptr;
     CUkernel merge_ = nullptr;
+    CUkernel transpose_v_ = nullptr;  // e4m3 forwards only
     std::set<CUdevice> prepared_devices_;
 
     Status launch_companion(CUkernel kernel, const void* params, const GridDims& grid, CUstream stream,
-                            const char* what) const {
+                            const char* what, CUdeviceptr* buffer = nullptr,
+                            int threads = FAGEN_COMPANION_THREADS) const {
         auto d = driver();
         if (!d.ok()) return d.status();
         if (kernel == nullptr) {
-            return Status::error(std::string("fagen: kernel ") + info_->name + " is not a split-KV kernel (no " + what +
-                                 " entry point)");
+            return Status::error(std::string("fagen: kernel ") + info_->name + " has no " + what + " entry point");
         }
         CUlaunchConfig config{};
         set_grid(config, grid);
-        config.blockDimX = FAGEN_COMPANION_THREADS;
+        config.blockDimX = static_cast<unsigned>(threads);
         config.blockDimY = config.blockDimZ = 1;
         config.hStream = stream;
-        void* arguments[1] = {const_cast<void*>(params)};
+        void* arguments[2] = {const_cast<void*>(params), buffer};
         return d.value()->check(
             d.value()->launch_kernel_ex(&config, reinterpret_cast<CUfunction>(kernel), arguments, nullptr),
             (std::string("cuLaunchKernelEx(") + what + ")").c_str());
@@ -999,8 +1011,10 @@ inline TensorMapArgs tensor_map_args(DType dtype, CUdeviceptr data, int batch, i
 
 // The Q, K and V maps of a TMA kernel (FagenTmaMaps, FagenBwdTmaMaps), given the tensors'
 // strides: boxes of the kernel's tma_q_rows (Q) and tma_kv_rows (K, V) rows; V's columns are
-// head_dim_v.
 // head_dim_v. A varlen call's maps span the packed rows as one batch row (algo/batch_row.cuh).
+// An e4m3 forward's V map is over the V^T its companion writes into a.workspace (contract.h:
+// vt_keys; fagen/contract.py: E4M3_VT_SUFFIX): (vt_keys, head_dim_v, heads_kv, batch), boxes of
+// one 128-byte row of keys by head_dim_v rows.
 inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strides& q, const Strides& k,
                                                  const Strides& v, int tma_q_rows, int tma_kv_rows) {
     if (a.varlen()) {
@@ -1009,6 +1023,13 @@ inline std::array<TensorMapArgs, 3> qkv_map_args(const Attention& a, const Strid
         return {tensor_map_args(a.dtype, a.q, 1, int(rows_q), a.heads_q, a.head_dim, pq, tma_q_rows),
                 tensor_map_args(a.dtype, a.k, 1, int(rows_k), a.heads_kv, a.head_dim, pk, tma_kv_rows),
                 tensor_map_args(a.dtype, a.v, 1, int(rows_k), a.heads_kv, a.value_dim(), pv, tma_kv_rows)};
+    }
+    if (a.dtype == DType::e4m3) {
+        const long long keys = vt_keys(a.seqlen_k), columns = a.value_dim();
+        const Strides vt{a.heads_kv * columns * keys, keys, columns * keys};
+        return {tensor_map_args(a.dtype, a.q, a.batch, a.seqlen_q, a.heads_q, a.head_dim, q, tma_q_rows),
+                tensor_map_args(a.dtype, a.k, a.batch, a.seqlen_k, a.heads_kv, a.head_dim, k, tma_kv_rows),
+                tensor_map_args(a.dtype, a.workspace, a.batch, a.value_dim(), a.heads_kv, int(keys), vt, a.value_dim())};
     }
     return {tensor_map_args(a.dtype, a.q, a.batch, a.seqlen_q, a.heads_q, a.head_dim, q, tma_q_rows),
             tensor_map_args(a.dtype, a.k, a.batch, a.seqlen_k, a.heads_kv, a.head_dim, k, tma_kv_rows),
@@ -1191,11 +1212,39 @@ public:
         }
 
         if (!tma) return kernel.value()->launch(p, nullptr, stream, a.workspace);
+        if (kernel.value()->transposes_v() && (a.workspace == 0 || a.workspace % FAGEN_ALIGNMENT_BYTES != 0)) {
+            return Status::error("fagen: an e4m3 forward needs a 16-byte aligned workspace of " +
+                                 std::to_string(vt_workspace_bytes(a.batch, a.heads_kv, a.value_dim(), a.seqlen_k)) +
+                                 " bytes for V^T (Bundle::forward_workspace_bytes)");
+        }
         FagenTmaMaps maps{};
         if (Status s = encode_qkv_maps(&maps.q, &maps.k, &maps.v, a, q, k, v, kernel.value()->info()); !s.ok()) {
             return s;
         }
+        if (kernel.value()->transposes_v()) {
+            if (Status s = kernel.value()->launch_transpose_v(p, a.value_dim(), a.workspace, stream); !s.ok()) return s;
+            return kernel.value()->launch(p, &maps, stream);
+        }
         return kernel.value()->launch(p, &maps, stream, a.workspace);
+    }
+
+    // Bytes of the workspace (Attention::workspace) a forward of `a` needs: an e4m3 forward's
+    // V^T (contract.h: vt_workspace_bytes), else the selected kernel's (FA1's fp32 rows; 0: none).
+    Result<size_t> forward_workspace_bytes(const Attention& a) {
+        if (a.dtype == DType::e4m3) {
+            return static_cast<size_t>(vt_workspace_bytes(a.batch, a.heads_kv, a.value_dim(), a.seqlen_k));
+        }
+        const Result<CallMask> mask = a.mask();
+        if (!mask.ok()) return mask.status();
+        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
+                                               a.varlen() ? "varlen" : "dense"),
+                                   a.seqlen_k);
+        if (!kernel.ok()) return kernel.status();
+        FagenFwdParams p{};
+        p.seqlen_q = a.seqlen_q;
+        p.heads_q = a.heads_q;
+        p.batch = a.batch;
+        return kernel.value()->workspace_bytes(p);
     }
 
     // The split count a KV-cache call of `a` runs (num_splits, else split_count from the shapes
@@ -1544,6 +1593,8 @@ private:
                           {&kernel->merge_, FAGEN_SPLIT_MERGE_SUFFIX}};
         } else if (is_paged_key(info.key)) {  // a paged tile kernel (a prefill): its append
             companions = {{&kernel->append_, FAGEN_SPLIT_APPEND_SUFFIX}};
+        } else if (is_e4m3_forward_key(info.key)) {  // its V^T
+            companions = {{&kernel->transpose_v_, FAGEN_E4M3_VT_SUFFIX}};
         }
         {
             for (const auto& [slot, suffix] : companions) {

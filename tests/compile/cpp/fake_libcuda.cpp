@@ -31,9 +31,11 @@ namespace {
 struct FakeKernel {
     const FagenKernelInfo* info = nullptr;
     int max_dynamic_smem = 0;
+    bool companion = false;
 };
 
 FakeKernel kernels[FAGEN_KERNEL_COUNT];
+FakeKernel companions[FAGEN_KERNEL_COUNT];  // each kernel's <name>_... entry points, one stand-in
 int fake_context = 1;
 constexpr int kFakeMultiprocessors = 132;  // an H100's SMs: the size of a persistent grid
 
@@ -143,14 +145,16 @@ CUresult library_load_data(CUlibrary* library, const void* image, CUjit_option*,
     return CUDA_SUCCESS;
 }
 CUresult library_unload(CUlibrary) { return CUDA_SUCCESS; }
-// A kernel's companion entry points (<name>_append, ...) resolve to the kernel itself: the fake
-// records main launches only.
+// A kernel's companion entry points (<name>_append, <name>_vt, ...) resolve to one stand-in
+// whose launches do nothing: the fake records and runs main launches only.
 CUresult library_get_kernel(CUkernel* kernel, CUlibrary, const char* name) {
     for (int i = 0; i < FAGEN_KERNEL_COUNT; ++i) {
         const size_t length = std::strlen(fagen_kernels[i].name);
         if (std::strncmp(fagen_kernels[i].name, name, length) == 0 && (name[length] == '\0' || name[length] == '_')) {
-            kernels[i].info = &fagen_kernels[i];
-            *kernel = reinterpret_cast<CUkernel>(&kernels[i]);
+            FakeKernel& found = name[length] == '\0' ? kernels[i] : companions[i];
+            found.info = &fagen_kernels[i];
+            found.companion = name[length] == '_';
+            *kernel = reinterpret_cast<CUkernel>(&found);
             return CUDA_SUCCESS;
         }
     }
@@ -163,6 +167,7 @@ CUresult kernel_set_attribute(CUfunction_attribute attribute, int value, CUkerne
 }
 CUresult launch_kernel_ex(const CUlaunchConfig* config, CUfunction function, void** params, void**) {
     const FakeKernel& kernel = *reinterpret_cast<FakeKernel*>(function);
+    if (kernel.companion) return current != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
     const FagenKernelInfo& info = *kernel.info;
     const FagenFwdParams& p = *static_cast<const FagenFwdParams*>(params[0]);
     // The grid of a tiles or persistent launch (the shapes forwards on this fake take).

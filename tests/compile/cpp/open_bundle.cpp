@@ -114,6 +114,7 @@ static fagen::AttentionBackward read_call(int count, char** pairs) {
         else if (name == "scale") a.softmax_scale = std::strtof(value, nullptr);
         else if (name == "softcap") a.softcap = std::strtof(value, nullptr);
         else if (name == "lse") a.lse = std::strtoull(value, nullptr, 10);
+        else if (name == "workspace") a.workspace = std::strtoull(value, nullptr, 10);
         else if (name == "alibi") a.alibi_slopes = std::strtoull(value, nullptr, 10);
         else if (name == "sinks") a.sinks = std::strtoull(value, nullptr, 10);
         else if (name == "mask_mod") a.mask_mod = value;
@@ -211,7 +212,9 @@ static void print_map(const char* name, const fagen::TensorMapArgs& m) {
 }
 
 // --tma-maps: the maps attention() / attention_backward() encode for a TMA kernel, with their
-// strides defaulting as there (q, k, v contiguous; dout like out, contiguous).
+// strides defaulting as there (q, k, v contiguous; dout like out, contiguous); an e4m3 forward's
+// V map over the V^T at kE4m3Workspace.
+constexpr CUdeviceptr kE4m3Workspace = 9ull << 20;
 static int print_tma_maps(int argc, char** argv) {
     fagen::AttentionBackward a;
     a.dtype = parse_dtype(argv[2]);
@@ -223,6 +226,7 @@ static int print_tma_maps(int argc, char** argv) {
     a.head_dim = std::atoi(argv[8]);
     a.head_dim_v = std::atoi(argv[9]);
     const int q_rows = std::atoi(argv[10]), kv_rows = std::atoi(argv[11]);
+    a.workspace = kE4m3Workspace;
     std::tie(a.q, a.q_strides) = parse_tensor(argv[12]);
     std::tie(a.k, a.k_strides) = parse_tensor(argv[13]);
     std::tie(a.v, a.v_strides) = parse_tensor(argv[14]);

@@ -1,6 +1,7 @@
 // Probe of the e4m3 wgmma wrappers (ptx/wgmma.cuh: wgmma_ss_e4m3, wgmma_rs_e4m3) with the pieces
 // the FP8 forward builds their operands with: TMA boxes of 128 one-byte columns with the 128-byte
-// swizzle, algo/v_transpose.cuh (V^T with the keys permuted within every 16) and
+// swizzle, algo/v_transpose.cuh (the companion writing V^T with the keys permuted within every
+// 16) and
 // algo/element.cuh's pack_a_fragment for e4m3 (P from an fp32 accumulator). sm_90a; run by
 // tests/gpu/test_ptx_probes.py.
 //
@@ -8,10 +9,12 @@
 //   probe_wgmma_ss_e4m3: D (64 x 128) = A (64 x 128, M x K) @ B^T, B (128 x 128, N x K), both
 //     K-major as Q and K in Q K^T; k-step kk (4 of 32 columns = 32 bytes) at byte kk*32 of the
 //     128-byte rows; LBO 16 (unused), SBO 1024. D starts as NaN (the first k-step overwrites).
+//   probe_transpose_v_n{128,256}: the companion's transpose_v_block on one CTA: V (128 keys x N,
+//     FagenFwdParams.v and its row stride) into V^T (N rows x 128 keys) at `vt`.
 //   probe_wgmma_rs_e4m3_n{128,256}: D (64 x N) = C + P (64 x 128 keys) @ V (128 keys x N): P read
-//     in the fp32 accumulator layout (algo/fragment.cuh) and packed by pack_a_fragment<e4m3>, V
-//     TMA-loaded as keys x N (N/128 chunks of 128 rows x 128 bytes) and transposed by all four
-//     warps into V^T (N rows x 128 bytes), read K-major with k-step kk at byte kk*32.
+//     in the fp32 accumulator layout (algo/fragment.cuh) and packed by pack_a_fragment<e4m3>, the
+//     V^T the companion wrote TMA-loaded as N rows x 128 bytes, read K-major with k-step kk at
+//     byte kk*32.
 #include "fagen/algo/element.cuh"
 #include "fagen/algo/v_transpose.cuh"
 #include "fagen/ptx/cp_async_bulk_tensor.cuh"
@@ -85,10 +88,10 @@ extern "C" __global__ void __launch_bounds__(128, 1)
 }
 
 template <int kN>
-__device__ __forceinline__ void wgmma_rs_e4m3_probe(const fagen::ptx::TensorMap& map_v, const float* p,
+__device__ __forceinline__ void wgmma_rs_e4m3_probe(const fagen::ptx::TensorMap& map_vt, const float* p,
                                                     const float* c, float* d) {
     constexpr int kKeys = 128;
-    const uint32_t sv = aligned_smem(), svt = sv + kKeys * kN, bar = svt + kN * kKeys;
+    const uint32_t svt = aligned_smem(), bar = svt + kN * kKeys;
     if (threadIdx.x == 0) {
         fagen::ptx::mbarrier_init(bar, 1);
         fagen::ptx::fence_mbarrier_init_release_cluster();
@@ -96,10 +99,7 @@ __device__ __forceinline__ void wgmma_rs_e4m3_probe(const fagen::ptx::TensorMap&
     __syncthreads();
     if (threadIdx.x == 0) {
         fagen::ptx::mbarrier_arrive_expect_tx(bar, kKeys * kN);
-        for (int chunk = 0; chunk < kN / 128; ++chunk) {
-            fagen::ptx::cp_async_bulk_tensor_4d_global_to_shared(sv + chunk * kKeys * 128, &map_v, bar,
-                                                                 chunk * 128, 0, 0, 0);
-        }
+        fagen::ptx::cp_async_bulk_tensor_4d_global_to_shared(svt, &map_vt, bar, 0, 0, 0, 0);
     }
     // P in the S accumulator layout, then as e4m3 A fragments.
     float s[kKeys / 8][4];
@@ -117,9 +117,6 @@ __device__ __forceinline__ void wgmma_rs_e4m3_probe(const fagen::ptx::TensorMap&
         for (int i = 0; i < 4; ++i) acc[n][i] = c[acc_row(i) * kN + acc_col(n, i)];
 
     fagen::ptx::mbarrier_wait_parity(bar, 0);
-    fagen::algo::transpose_v_tile<kKeys, kN, 4>(sv, svt, threadIdx.x / 32, threadIdx.x % 32);
-    fagen::ptx::fence_proxy_async_shared_cta();
-    __syncthreads();
     fence_all(acc);
     fagen::ptx::wgmma_fence();
 #pragma unroll
@@ -135,16 +132,25 @@ __device__ __forceinline__ void wgmma_rs_e4m3_probe(const fagen::ptx::TensorMap&
         for (int i = 0; i < 4; ++i) d[acc_row(i) * kN + acc_col(n, i)] = acc[n][i];
 }
 
-// map_v: (N cols, 128 rows), uint8 boxes (128, 128); p: 64 x 128 fp32 (values exact in e4m3); c,
-// d: 64 x N fp32. Dynamic shared memory 1024 + 2 * 128 * N + 8 bytes.
+// map_vt: (128 keys, N rows), uint8 boxes (128, N); p: 64 x 128 fp32 (values exact in e4m3); c,
+// d: 64 x N fp32. Dynamic shared memory 1024 + 128 * N + 8 bytes.
 extern "C" __global__ void __launch_bounds__(128, 1)
-    probe_wgmma_rs_e4m3_n128(const __grid_constant__ fagen::ptx::TensorMap map_v, const float* p,
+    probe_wgmma_rs_e4m3_n128(const __grid_constant__ fagen::ptx::TensorMap map_vt, const float* p,
                              const float* c, float* d) {
-    wgmma_rs_e4m3_probe<128>(map_v, p, c, d);
+    wgmma_rs_e4m3_probe<128>(map_vt, p, c, d);
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1)
-    probe_wgmma_rs_e4m3_n256(const __grid_constant__ fagen::ptx::TensorMap map_v, const float* p,
+    probe_wgmma_rs_e4m3_n256(const __grid_constant__ fagen::ptx::TensorMap map_vt, const float* p,
                              const float* c, float* d) {
-    wgmma_rs_e4m3_probe<256>(map_v, p, c, d);
+    wgmma_rs_e4m3_probe<256>(map_vt, p, c, d);
+}
+
+// One CTA of N / 2 threads (the companion's block for 128 keys).
+extern "C" __global__ void probe_transpose_v_n128(const __grid_constant__ FagenFwdParams p, unsigned char* vt) {
+    fagen::algo::transpose_v_block<128, 128, 64>(p, vt);
+}
+
+extern "C" __global__ void probe_transpose_v_n256(const __grid_constant__ FagenFwdParams p, unsigned char* vt) {
+    fagen::algo::transpose_v_block<128, 256, 128>(p, vt);
 }

@@ -55,6 +55,15 @@ __device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_
     tma_copy_tile<kChunks, kChunkColumns>(map, dst, rows, full, row_begin, head, batch);
 }
 
+// A V^T tile (fa3/forward.cuh, e4m3): kRows rows (the head dim) of one 128-byte swizzle row of
+// keys from `key_begin` on, one box of a map over (keys, rows, heads, batch) (algo/v_transpose.cuh).
+template <int kRows>
+__device__ __forceinline__ void tma_load_transposed_tile(const FagenTensorMap& map, uint32_t dst, uint32_t full,
+                                                         int key_begin, int head, int batch) {
+    ptx::mbarrier_arrive_expect_tx(full, kRows * 128);
+    ptx::cp_async_bulk_tensor_4d_global_to_shared(dst, &map, full, key_begin, 0, head, batch);
+}
+
 // Where the runs of a K or V tile of kRows keys of a paged-layout batch row (algo/batch_row.cuh:
 // kPagedRows) come from, from key `key_begin` on (a multiple of kRows), `keys` being the row's:
 // runs of box_rows keys (cache_box_rows), each from its page of the block table, or from the

@@ -1,8 +1,11 @@
-// V^T tiles for the 8-bit P V (fa3/forward.cuh with an e4m3 element). wgmma reads 8-bit B
-// operands only K-major, but V lands from TMA keys x head_dim_v with the head dim contiguous (the
-// layout flash-attn's callers hold): warps of the producer warpgroup copy each V tile into a V^T
-// tile of head_dim_v rows of kKeys keys before the consumers' P V reads it (FlashAttention-3 does
-// the same transposition in shared memory; this one is fagen's own).
+// V^T for the 8-bit P V (fa3/forward.cuh with an e4m3 element). wgmma reads 8-bit B operands only
+// K-major, but flash-attn's callers hold V as (batch, seqlen_k, heads_kv, head_dim_v), the head
+// dim contiguous. The e4m3 forward's companion kernel (<name>_vt, fagen/contract.py:
+// E4M3_VT_SUFFIX) writes V^T into the call's workspace first, (batch, heads_kv, head_dim_v,
+// vt_keys) with vt_keys = seqlen_k rounded up to 16 (contract.vt_keys) and the padding zeros;
+// the forward then loads V^T tiles with TMA like any other tile. FlashAttention-3 transposes
+// each V tile in shared memory inside the kernel instead; fagen did too, with three producer
+// warps, and they bounded the FP8 forward (docs/performance.md, entries 141-142 and 153).
 //
 // The keys are permuted within every 16 on the way. P's A fragment (ptx/wgmma.cuh, e4m3) gives
 // lane 4g+q the columns 4q..4q+3 of each 16, but the S accumulator P is converted from
@@ -10,58 +13,56 @@
 // makes P's logical column 4q+i the physical key {2q, 2q+1, 8+2q, 9+2q}[i]; P V is a sum over
 // keys, so it is exact when V^T's column 4q+i holds the same physical key. The conversion then
 // needs no shuffles (algo/element.cuh: pack_a_fragment for e4m3).
-//
-// Source: a V tile as TMA writes it with the 128-byte swizzle: head_dim_v / 128 chunks of kKeys
-// rows x 128 bytes; 16-byte unit u of row r at unit u ^ (r % 8). Target: head_dim_v rows of 128
-// bytes (the keys), the same swizzle, which is what a K-major wgmma descriptor with the 128-byte
-// swizzle reads (SBO 1024).
-//
-// A step moves 512 bytes, 16 keys (group g) x 32 head-dim bytes (units 2p, 2p+1 of a chunk): one
-// ldmatrix.x4.trans reads keys 0-7 and 8-15 of each unit as 8x8 matrices of byte pairs, which
-// leaves lane 4j+q with the pair (2j, 2j+1) of keys 2q, 2q+1 from one matrix and of keys 8+2q,
-// 9+2q from the other: two byte permutes make V^T rows 2j and 2j+1 at logical keys 4q..4q+3,
-// the permutation above for free; one stmatrix.x4 writes the four rows' words. Lanes 4j+q with
-// j >= 4 swap their two rows between the stored matrices, so that each matrix's 8 rows have 8
-// different row % 8 (swizzle units): then neither instruction meets a bank conflict (checked with
-// a model of both instructions, 2026-12-04). Offsets are bit fields that do not overlap, so a
-// lane computes its own once and a step XORs in (g, p). The first version moved 4 bytes per lane
-// and instruction with the swizzle recomputed per round (1250 instructions per tile and warp,
-// the FP8 forward at 0.65x the bf16 one); the second (4-byte words, XOR'd offsets, ~540) still
-// bounded it: without any transposition the kernel ran 1.35-1.6x faster (2026-12-04).
 #pragma once
-#include "fagen/ptx/ldmatrix.cuh"
-#include "fagen/ptx/stmatrix.cuh"
+#include "fagen/params.h"
 #include "fagen/types.cuh"
 
 namespace fagen::algo {
 
-// Transposes the V tile at `src` into the V^T tile at `dst` (shared addresses, both 1024-byte
-// aligned), by the kWarps warps of the calling threads; `warp` in [0, kWarps).
-template <int kKeys, int kColumns, int kWarps>
-__device__ __forceinline__ void transpose_v_tile(uint32_t src, uint32_t dst, int warp, int lane) {
-    static_assert(kKeys == 128, "V^T rows are one 128-byte swizzle row of keys");
-    static_assert(kColumns % 128 == 0, "whole 128-byte chunks of V");
-    constexpr uint32_t kChunkBytes = kKeys * 128;      // a 128-column chunk of V; 128 rows of V^T
-    constexpr uint32_t kSteps = (kColumns / 128) * 4 * 8;  // (chunk, unit pair p, key group g)
-    // ldmatrix: lane 8m+i gives row i of matrix m, keys 8(m%2)+i of the group, unit m/2 of the
-    // pair. Bits: group 11-13, the 8 keys 10, key 7-9, swizzled unit 4-6.
-    const uint32_t matrix = lane / 8, row = lane % 8;
-    const uint32_t src_lane = ((matrix % 2) << 10) | (row << 7) | (((matrix / 2) ^ row) << 4);
-    // stmatrix: lane 8m+r gives row r of matrix m, V^T row 16(2p + m/2) + 2r + (m%2 ^ r/4).
-    // Bits: unit pair 12-13, unit 11, row 7-10, swizzled key group 4-6.
-    const uint32_t swap = row / 4, odd = (matrix % 2) ^ swap;
-    const uint32_t dst_lane = ((matrix / 2) << 11) | (row << 8) | (odd << 7) | (((2 * row + odd) % 8) << 4);
-    // This lane's byte pair j = lane / 4: V^T row 2j takes the even bytes, 2j + 1 the odd ones;
-    // swapped for j >= 4 (see above).
-    const uint32_t first = lane / 4 < 4 ? 0x6420 : 0x7531, second = lane / 4 < 4 ? 0x7531 : 0x6420;
-#pragma unroll 1  // two steps in flight spilled 4 bytes at head_dim 256 under the warps' 24 registers
-    for (uint32_t step = warp; step < kSteps; step += kWarps) {
-        const uint32_t g = step % 8, p = (step / 8) % 4, chunk = step / 32;
-        uint32_t pairs[4];
-        ptx::ldmatrix_x4_trans(pairs, src + chunk * kChunkBytes + (src_lane ^ (g << 11) ^ (p << 5)));
-        const uint32_t rows[4] = {__byte_perm(pairs[0], pairs[1], first), __byte_perm(pairs[0], pairs[1], second),
-                                  __byte_perm(pairs[2], pairs[3], first), __byte_perm(pairs[2], pairs[3], second)};
-        ptx::stmatrix_x4(dst + chunk * kChunkBytes + (dst_lane ^ (p << 12) ^ (g << 4)), rows);
+// V^T's row length in keys (fagen/contract.py: vt_keys): whole groups of the 16 keys permuted
+// together.
+constexpr int kVtKeyGroup = 16;
+__device__ __forceinline__ int vt_keys(int seqlen_k) { return (seqlen_k + kVtKeyGroup - 1) / kVtKeyGroup * kVtKeyGroup; }
+
+// One CTA of the companion: kKeys keys of one (batch, kv head), blockIdx (key block, kv head,
+// batch), kThreads threads. Each thread turns a 16 x 16 byte block (the 16 keys of group g, the
+// 16 head-dim columns of chunk c) around in registers: 16 loads of 16 bytes (a key each), byte
+// permutes, 16 stores of 16 bytes (a column each). A warp's lanes are 8 groups by 4 chunks, so
+// every load reads 64 contiguous bytes of 8 key rows and every store writes 128 contiguous bytes
+// (8 groups) of 4 V^T rows. Staged through shared memory with a thread per V^T row (16-byte
+// stores, 32 rows per warp instruction), the companion moved 1.3-1.8 TB/s (2026-12-04).
+template <int kKeys, int kColumns, int kThreads>
+__device__ __forceinline__ void transpose_v_block(const FagenFwdParams& p, unsigned char* vt) {
+    constexpr int kGroups = kKeys / kVtKeyGroup, kChunks = kColumns / 16;
+    static_assert(kKeys % kVtKeyGroup == 0 && kGroups == 8 && kGroups * kChunks == kThreads,
+                  "a thread per (group of 16 keys, 16 columns); a warp's lanes span the 8 groups");
+    const int g = threadIdx.x % kGroups, c = threadIdx.x / kGroups;
+    const int key_begin = blockIdx.x * kKeys + 16 * g, head = blockIdx.y, batch = blockIdx.z;
+    const int row_keys = vt_keys(p.seqlen_k);
+    if (key_begin >= row_keys) return;
+    const unsigned char* v = static_cast<const unsigned char*>(p.v) + batch * p.v_batch_stride +
+                             head * p.v_head_stride + 16 * c;
+    uint4 keys[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        keys[k] = make_uint4(0, 0, 0, 0);
+        if (key_begin + k < p.seqlen_k) keys[k] = *reinterpret_cast<const uint4*>(v + (key_begin + k) * p.v_row_stride);
+    }
+    unsigned char* out = vt + ((static_cast<long long>(batch) * p.heads_kv + head) * kColumns + 16 * c) * row_keys +
+                         key_begin;
+    auto word = [](const uint4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; };
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // column 16c + j: byte j % 4 of word j / 4 of each key
+        const uint32_t pick = (j % 4) | (4 + j % 4) << 4;  // byte j % 4 of the first, then of the second
+        uint32_t words[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // logical keys 4q..4q+3: physical 2q, 2q+1, 8+2q, 9+2q
+            const uint32_t low = __byte_perm(word(keys[2 * q], j / 4), word(keys[2 * q + 1], j / 4), pick);
+            const uint32_t high = __byte_perm(word(keys[8 + 2 * q], j / 4), word(keys[9 + 2 * q], j / 4), pick);
+            words[q] = __byte_perm(low, high, 0x5410);
+        }
+        *reinterpret_cast<uint4*>(out + static_cast<long long>(j) * row_keys) =
+            make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
 

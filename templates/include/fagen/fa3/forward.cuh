@@ -11,12 +11,12 @@
 // products run on the 8-bit wgmma (k32), the scores and O are scaled by the call's descales
 // (FagenFwdParams.q_descale ...), P is rounded to e4m3 with the softmax's probability offset
 // (algo/online_softmax.cuh), the output is bf16 (Config::Output), and since 8-bit wgmma takes
-// its B operand K-major only, three producer warps transpose each V tile into a V^T tile that
-// P V reads (algo/v_transpose.cuh).
+// its B operand K-major only, P V reads V^T tiles, which TMA loads from the V^T that the
+// kernel's companion wrote into the call's workspace (algo/v_transpose.cuh); the V map is over
+// that V^T.
 //
 // Roles (warpgroup = 128 threads):
-//   producer  (warpgroup 0): one thread issues every TMA load; with e4m3 its warps 1-3
-//             transpose V.
+//   producer  (warpgroup 0): one thread issues every TMA load.
 //   consumers (the others: 2 or 3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
 //             operands in shared memory), online softmax, O += P V (wgmma, P from registers),
 //             epilogue.
@@ -34,7 +34,7 @@
 //
 // Shared memory (every tile 1024-byte aligned for the 128-byte swizzle): kQStages Q tiles (two
 // with kEarlyFirstQk, so that the next tile's Q is loaded a tile ahead), then kStages K tiles,
-// then kStages V stages (a V tile, with e4m3 followed by its V^T tile), then the mbarriers. A
+// then kStages V stages (a V tile; with e4m3 a V^T tile), then the mbarriers. A
 // tile of R rows x D columns (Q and K: head_dim; V: head_dim_v) is D/kChunkColumns column chunks,
 // each R rows of 128 bytes, as TMA writes them.
 #pragma once
@@ -75,8 +75,8 @@ struct Forward {
     using OutOps = algo::ElementOps<Output>;
 
     static constexpr int kElementBytes = sizeof(Element);
-    static constexpr bool kTransposeV = kElementBytes == 1;  // e4m3: see the top of this file
-    static constexpr int kTransposeWarps = 3;  // the producer warpgroup's warps but the TMA one
+    static constexpr bool kE4m3 = kElementBytes == 1;
+    static constexpr bool kVTransposed = kE4m3;  // P V reads V^T: see the top of this file
     static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
     static constexpr int kHeadDimV = Config::kHeadDimV;  // V and O columns
     static constexpr int kBlockM = Config::kBlockM;
@@ -96,9 +96,7 @@ struct Forward {
     static constexpr int kQKSteps = kHeadDim * kElementBytes / 32;         // 32-byte k-steps of Q K^T
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * kElementBytes;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElementBytes;   // a K tile
-    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * kElementBytes;   // a V tile
-    static constexpr uint32_t kVtBytes = kTransposeV ? kVBytes : 0;          // its V^T tile
-    static constexpr int kBarriersPerStage = kTransposeV ? 6 : 4;
+    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * kElementBytes;   // a V (or V^T) tile
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr int kRowLayout = Config::kPaged ? algo::kPagedRows : Config::kVarlen ? algo::kVarlenRows
                                                                                            : algo::kDenseRows;
@@ -114,14 +112,14 @@ struct Forward {
                   Config::kSmemVOffset % kSwizzleAtomBytes == 0);
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQStages * kQBytes);
     static_assert(Config::kSmemVOffset == Config::kSmemKOffset + kStages * kKVBytes);
-    static_assert(Config::kSmemVStageBytes == kVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0) + kVtBytes);
+    static_assert(Config::kSmemVStageBytes == kVBytes + (Config::kMmaRowSum ? kBlockN * 128 : 0));
     static_assert(Config::kSmemBarrierOffset ==
                   Config::kSmemVOffset + kStages * Config::kSmemVStageBytes);
     static_assert(!Config::kEarlyFirstQk || !Config::kPingpong,
                   "the next tile's first Q K^T goes out outside the ping-pong turns");
     static_assert(!Config::kPaged || (!Config::kVarlen && kBlockN % Config::kCacheBoxRows == 0),
                   "a paged K/V tile is whole runs of cache rows");
-    static_assert(!kTransposeV || (kBlockN == 128 && !Config::kMmaRowSum && !Config::kPaged),
+    static_assert(!kVTransposed || (kBlockN == 128 && !Config::kMmaRowSum && !Config::kPaged && !Config::kVarlen),
                   "e4m3: V^T rows are one 128-byte swizzle row of keys; the softmax sums P in fp32");
 
     struct Smem {
@@ -129,35 +127,26 @@ struct Forward {
         uint32_t bar;      // first mbarrier
 
         // mbarriers, 8 bytes each: per Q stage q_full, q_empty, then per K/V stage k_full,
-        // k_empty, v_full, v_empty (and with e4m3 vt_full, vt_empty).
+        // k_empty, v_full, v_empty.
         __device__ uint32_t q_full(int q) const { return bar + 8 * (2 * q); }
         __device__ uint32_t q_empty(int q) const { return bar + 8 * (2 * q + 1); }
         __device__ uint32_t stage_barrier(int s, int i) const {
-            return bar + 8 * (2 * kQStages + kBarriersPerStage * s + i);
+            return bar + 8 * (2 * kQStages + 4 * s + i);
         }
         __device__ uint32_t k_full(int s) const { return stage_barrier(s, 0); }
         __device__ uint32_t k_empty(int s) const { return stage_barrier(s, 1); }
         __device__ uint32_t v_full(int s) const { return stage_barrier(s, 2); }
         __device__ uint32_t v_empty(int s) const { return stage_barrier(s, 3); }
-        __device__ uint32_t vt_full(int s) const { return stage_barrier(s, 4); }
-        __device__ uint32_t vt_empty(int s) const { return stage_barrier(s, 5); }
-        // The tile P V reads from stage s, and its barriers: V, or with e4m3 V^T.
-        __device__ uint32_t pv_full(int s) const { return kTransposeV ? vt_full(s) : v_full(s); }
-        __device__ uint32_t pv_empty(int s) const { return kTransposeV ? vt_empty(s) : v_empty(s); }
-        // e4m3: a word after the barriers: -1, then the ring position past the producer's last
-        // V tile once it knows it (transpose_tiles).
-        __device__ uint32_t loads_end() const { return stage_barrier(kStages, 0); }
         __device__ uint32_t q_tile(int q) const { return this->q + q * kQBytes; }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
         __device__ uint32_t v_tile(int s) const { return v + s * Config::kSmemVStageBytes; }
-        __device__ uint32_t vt_tile(int s) const { return v_tile(s) + kVBytes; }
         // kMmaRowSum: the chunk of ones after V tile s, at V's chunk stride (block_n rows of
         // 128 bytes), so that one descriptor reads V and then the ones as the next 64 columns.
         __device__ uint32_t ones_chunk(int s) const { return v_tile(s) + kVBytes; }
     };
 
     using Scheduler = algo::TileScheduler<Config::kMask, true>;
-    using Softmax = algo::OnlineSoftmax<1, Ops, algo::DefaultSoftmaxOptions, Config::kMmaRowSum>;
+    using Softmax = algo::OnlineSoftmax<1, Ops, Config, Config::kMmaRowSum>;  // Config carries the softmax options
 
     using Work = algo::TileWork<kRowLayout>;
 
@@ -201,8 +190,19 @@ struct Forward {
         algo::tma_load_tile<kChunks, kChunkColumns>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
                                                     w.kv_head, batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-        algo::tma_load_tile<kVChunks, kChunkColumns>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
-                                                     w.kv_head, batch);
+        if constexpr (kVTransposed) {
+            algo::tma_load_transposed_tile<kHeadDimV>(maps.v, s.v_tile(slot), s.v_full(slot), key_begin, w.kv_head,
+                                                      batch);
+        } else {
+            algo::tma_load_tile<kVChunks, kChunkColumns>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
+                                                         w.kv_head, batch);
+        }
+    }
+
+    // e4m3: the companion (<name>_vt) that writes the call's V^T before the forward runs.
+    static __device__ __forceinline__ void transpose_v(const FagenFwdParams& prm, unsigned char* vt) {
+        static_assert(Config::kVtKeyGroup == algo::kVtKeyGroup && Config::kVtKeysPerCta % algo::kVtKeyGroup == 0);
+        algo::transpose_v_block<Config::kVtKeysPerCta, kHeadDimV, Config::kVtThreads>(prm, vt);
     }
 
     // ---------------------------------------------------------------- consumer MMAs
@@ -220,7 +220,7 @@ struct Forward {
     static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer, int q) {
         return {ptx::wgmma_desc_swizzle128(s.q_tile(q) + consumer * 64 * 128, 16, kSwizzleAtomBytes),
                 ptx::wgmma_desc_swizzle128(s.k, 16, kSwizzleAtomBytes),
-                kTransposeV ? ptx::wgmma_desc_swizzle128(s.vt_tile(0), 16, kSwizzleAtomBytes)
+                kVTransposed ? ptx::wgmma_desc_swizzle128(s.v, 16, kSwizzleAtomBytes)
                             : ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
     }
 
@@ -233,7 +233,7 @@ struct Forward {
             const uint32_t k_offset = (kk % 4) * 32;  // a k-step is 32 bytes into the row
             const unsigned long long q = ptx::wgmma_desc_advance(d.q, chunk * kBlockM * 128 + k_offset);
             const unsigned long long k = ptx::wgmma_desc_advance(d.k, slot * kKVBytes + chunk * kBlockN * 128 + k_offset);
-            if constexpr (kTransposeV) {
+            if constexpr (kE4m3) {
                 ptx::wgmma_ss_e4m3<kBlockN>(acc_s, q, k, kk > 0);
             } else {
                 ptx::wgmma_ss<kBlockN, Config::kIsBf16, 0>(acc_s, q, k, kk > 0);
@@ -249,7 +249,7 @@ struct Forward {
                                                     const Descriptors& d, int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            if constexpr (kTransposeV) {
+            if constexpr (kVTransposed) {
                 ptx::wgmma_rs_e4m3<Config::kPVColumns>(
                     acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 32), 1);
             } else {
@@ -374,7 +374,7 @@ struct Forward {
         ptx::fence_accumulators(acc_s[0]);
         release_k(0);
         scores(0, BoolConstant<true>{});
-        ptx::mbarrier_wait_parity(s.pv_full(slot_of(0)), parity_of(0));
+        ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
         if constexpr (Config::kPaged) clear_cache_rows_past_keys(prm, s, w, slot_of(0), consumer, thread);
         convert_p(acc_s[0], p);
         auto iteration = [&](int j, auto may_need_mask) {
@@ -390,10 +390,10 @@ struct Forward {
             ptx::fence_accumulators(acc_s[0]);
             release_k(j);
             scores(j, may_need_mask);
-            ptx::mbarrier_wait_parity(s.pv_full(slot_of(j)), parity_of(j));
+            ptx::mbarrier_wait_parity(s.v_full(slot_of(j)), parity_of(j));
             ptx::wgmma_wait_group<0>();
             ptx::fence_accumulators(acc_o[0]);
-            ptx::mbarrier_arrive(s.pv_empty(slot_of(j - 1)));
+            ptx::mbarrier_arrive(s.v_empty(slot_of(j - 1)));
             convert_p(acc_s[0], p);
         };
         int j = 1;
@@ -426,7 +426,7 @@ struct Forward {
             ptx::wgmma_wait_group<0>();
         }
         ptx::fence_accumulators(acc_o[0]);
-        ptx::mbarrier_arrive(s.pv_empty(slot_of(last)));
+        ptx::mbarrier_arrive(s.v_empty(slot_of(last)));
 
         float row_lse[1][2];
         softmax.template finalize<Config::kSinks>(acc_o, row_lse, scales.scale_log2,
@@ -468,7 +468,7 @@ struct Forward {
     }
 
     static __device__ __forceinline__ TileScales tile_scales(const FagenFwdParams& prm, const Work& w) {
-        if constexpr (kTransposeV) {
+        if constexpr (kE4m3) {
             const float qk = descale(prm.q_descale, prm.q_descale_batch_stride, prm.q_descale_head_stride, w) *
                              descale(prm.k_descale, prm.k_descale_batch_stride, prm.k_descale_head_stride, w);
             return {prm.scale_log2 * qk,
@@ -476,39 +476,6 @@ struct Forward {
         } else {
             return {prm.scale_log2, 1.f};
         }
-    }
-
-    // ---------------------------------------------------------------- V^T (e4m3)
-    // The transposing warps take the V tiles in ring order: each, once TMA landed it and the
-    // consumers released its stage's previous V^T, into V^T; then the V slot goes back to the
-    // producer and the V^T to the consumers (the generic-proxy stores fenced for wgmma's reads).
-    // They do not walk the tiles themselves: the producer, past its last V, completes the next
-    // ring position's v_full with no data and loads_end set to that position
-    // (signal_transposers), which they may read while still on earlier positions. Walking the
-    // schedule too, their state spilled at the 24-40 registers the producer warpgroup can spare
-    // beside two consumers of head_dim 256 (2026-12-04).
-    static __device__ void transpose_tiles(char* smem, int warp, int lane) {
-        const Smem s = smem_layout(smem);
-        for (int ring = 0;; ++ring) {
-            const int slot = algo::ring_slot<kStages>(ring);
-            const uint32_t parity = algo::ring_parity<kStages>(ring);
-            ptx::mbarrier_wait_parity(s.v_full(slot), parity);
-            if (*static_cast<volatile int*>(__cvta_shared_to_generic(s.loads_end())) == ring) return;
-            ptx::mbarrier_wait_parity(s.vt_empty(slot), parity ^ 1);
-            algo::transpose_v_tile<kBlockN, kHeadDimV, kTransposeWarps>(s.v_tile(slot), s.vt_tile(slot), warp, lane);
-            ptx::fence_proxy_async_shared_cta();
-            ptx::mbarrier_arrive(s.v_empty(slot));
-            ptx::mbarrier_arrive(s.vt_full(slot));
-        }
-    }
-
-    // The producer's end of the walk for the transposing warps: ring position `ring` (one past
-    // the last V loaded), once its slot is free, completes with loads_end = ring.
-    static __device__ __forceinline__ void signal_transposers(const Smem& s, int ring) {
-        const int slot = algo::ring_slot<kStages>(ring);
-        ptx::mbarrier_wait_parity(s.v_empty(slot), algo::ring_parity<kStages>(ring) ^ 1);
-        *static_cast<volatile int*>(__cvta_shared_to_generic(s.loads_end())) = ring;
-        ptx::mbarrier_arrive(s.v_full(slot));
     }
 
     // ---------------------------------------------------------------- epilogue
@@ -586,7 +553,6 @@ struct Forward {
             load_q(maps, s, w, tile_count++);
             for (int j = 0; j < w.n_blocks; ++j) load_kv(prm, maps, s, w, j, ring++);
         }
-        if constexpr (kTransposeV) signal_transposers(s, ring);
     }
 
     // `value` (the same in every lane) as a value ptxas knows to be warp-uniform: a broadcast
@@ -719,14 +685,8 @@ struct Forward {
                 ptx::mbarrier_init(s.k_full(st), 1);
                 ptx::mbarrier_init(s.v_full(st), 1);
                 ptx::mbarrier_init(s.k_empty(st), kConsumerThreads);
-                // e4m3: the transposing warps read V, the consumers V^T.
-                ptx::mbarrier_init(s.v_empty(st), kTransposeV ? kTransposeWarps * 32 : kConsumerThreads);
-                if constexpr (kTransposeV) {
-                    ptx::mbarrier_init(s.vt_full(st), kTransposeWarps * 32);
-                    ptx::mbarrier_init(s.vt_empty(st), kConsumerThreads);
-                }
+                ptx::mbarrier_init(s.v_empty(st), kConsumerThreads);
             }
-            if constexpr (kTransposeV) *static_cast<int*>(__cvta_shared_to_generic(s.loads_end())) = -1;
             ptx::fence_mbarrier_init_release_cluster();
         }
         if constexpr (Config::kMmaRowSum) fill_ones_chunks(smem);
@@ -735,9 +695,6 @@ struct Forward {
         if (threadIdx.x < 128) {
             ptx::setmaxnreg_dec<Config::kProducerRegisters>();
             if (threadIdx.x == 0) produce(prm, maps, smem);
-            if constexpr (kTransposeV) {
-                if (threadIdx.x >= 32) transpose_tiles(smem, threadIdx.x / 32 - 1, threadIdx.x % 32);
-            }
         } else {
             ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
             consume_tiles(prm, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);
