@@ -29,9 +29,8 @@ CONSUMER_ROWS = 64  # wgmma m64: one consumer warpgroup owns 64 query rows
 # head_dim values the tuning table uses, and head_dim + 8 for mma_row_sum's P V.
 WGMMA_N = (64, 72, 80, 96, 128, 136, 160, 176, 192, 256)
 WGMMA_MAX_N = 256
-# The e4m3 wrappers' N values: block_n of Q K^T (128: V^T rows are one 128-byte swizzle row of
-# keys) and head_dim_v of P V.
-WGMMA_E4M3_N = (64, 128, 256)
+# The e4m3 wrappers' N values: block_n of Q K^T (E4M3_BLOCK_NS) and head_dim_v of P V.
+WGMMA_E4M3_N = (64, 128, 192, 256)
 # mma_row_sum: P V runs over one more n8 tile of V, whose columns are all ones, so that tile of
 # O holds the row sums of P.
 ROW_SUM_COLUMNS = 8
@@ -45,8 +44,11 @@ PRODUCER_REGISTERS = 24
 # spills under setmaxnreg 160.
 REGISTER_OVERHEAD = 28
 MBARRIERS_PER_Q_STAGE = 2  # q_full, q_empty
-# e4m3: V^T's rows are block_n keys, one 128-byte swizzle row (the P V wgmma's K-major B).
-E4M3_BLOCK_N = SWIZZLE_ROW_BYTES
+# e4m3: a V^T tile is chunks of head_dim_v rows of 128 keys (one 128-byte swizzle row each, the
+# P V wgmma's K-major B), one TMA box each; block_n is whole wgmma k-steps of 32 keys that are a
+# wgmma N. 192 keys take two chunks, the second's last 64 keys unread.
+E4M3_KEYS_PER_CHUNK = SWIZZLE_ROW_BYTES
+E4M3_BLOCK_NS = (128, 192, 256)
 # Consumer warpgroups per CTA. One-consumer tiles (two CTAs per SM) measured 35-50 % faster than
 # one such CTA per SM but still below the two-consumer tiles (run 23); three consumers keep
 # hd64's short MMAs fed (runs 11-20).
@@ -113,6 +115,19 @@ class Fa3Geometry(TmaRingLayout):
         rows of block_n keys, the V tile's bytes), which the kernel's companion wrote
         (algo/v_transpose.cuh)."""
         return self.element_bytes == 1
+
+    @property
+    def vt_chunks(self) -> int:
+        """e4m3: the 128-key chunks of a V^T tile."""
+        return -(-self.block_n // E4M3_KEYS_PER_CHUNK)
+
+    @property
+    def smem_v_tile_bytes(self) -> int:
+        """A V tile (block_n x head_dim_v), or with e4m3 a V^T tile (vt_chunks x head_dim_v
+        rows of 128 keys)."""
+        if self.reads_v_transposed:
+            return self.vt_chunks * self.head_dim_v * E4M3_KEYS_PER_CHUNK
+        return super().smem_v_tile_bytes
 
     @property
     def chunk_columns(self) -> int:
@@ -193,9 +208,9 @@ class Fa3Geometry(TmaRingLayout):
                 out.append(f"{name}={dim}: e4m3 tiles need a multiple of {self.chunk_columns} (a "
                            "128-byte swizzle row of one-byte elements; 64 would need the 64-byte "
                            "swizzle, not built)")
-        if self.block_n != E4M3_BLOCK_N:
-            out.append(f"tile.block_n={self.block_n}: e4m3 needs {E4M3_BLOCK_N} (V^T's rows are "
-                       "block_n keys, one 128-byte swizzle row)")
+        if self.block_n not in E4M3_BLOCK_NS:
+            out.append(f"tile.block_n={self.block_n}: e4m3 takes {E4M3_BLOCK_NS} (V^T tiles are "
+                       f"chunks of {E4M3_KEYS_PER_CHUNK} keys, Q K^T a wgmma N)")
         if self.mma_row_sum:
             out.append("tile.mma_row_sum: not with e4m3 (its row sums would be of P rounded to "
                        "e4m3; the softmax sums it in fp32)")
@@ -316,12 +331,14 @@ TUNING: tuple[TuningRow, ...] = (
               "(0.88/0.96/1.04/1.08x cuDNN) against 373/469/542/603 for the one-tile kernel "
               "(run 20, sweep9). No ping-pong: with it the causal mask code spills 4 bytes",
               causal=True),
-    # ---- e4m3 (FP8): block_n is 128 (E4M3_BLOCK_N); each stage holds K and V^T.
-    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3), 128,
-              "e4m3: S 64 + O 64 + P 16 regs per consumer; three K/V^T stages (113 KB smem): "
-              "four measured the same (785-842 against 795-850 TFLOP/s at 4k/16k non-causal, "
-              "2026-12-04); ping-pong 467-532 against 596-627 (before V^T came from the "
-              "companion)",
+    # ---- e4m3 (FP8): each stage holds K and V^T (E4M3_BLOCK_NS).
+    TuningRow(Fa3Tile(block_m=128, block_n=192, warps=12, stages=2), 128,
+              "e4m3: S 96 + O 64 + P 24 regs per consumer; 192 keys a block (V^T in two "
+              "128-key chunks, the second's last 64 keys unread) against 128: 802/851/826 "
+              "against 735/813/830 TFLOP/s non-causal at 4k/8k/16k, causal 727/810/807 against "
+              "704/769/798; a third stage the same, block_n 256 needs 252 registers (2026-12-04); "
+              "ping-pong 467-532 against 596-627 at block_n 128 (before V^T came from the "
+              "companion); 129 KB smem",
               dtypes=("e4m3",)),
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3), 256,
               "e4m3: O alone is 128 regs per consumer (S 64 + P 16 beside it, of the 240 two "
@@ -406,6 +423,7 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
             Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),
             Constexpr("kVtThreads", contract.vt_threads(g.head_dim_v)),
+            Constexpr("kVtChunks", g.vt_chunks if g.reads_v_transposed else 0),
         ]
 
     @property

@@ -55,13 +55,18 @@ __device__ __forceinline__ void tma_load_tile(const FagenTensorMap& map, uint32_
     tma_copy_tile<kChunks, kChunkColumns>(map, dst, rows, full, row_begin, head, batch);
 }
 
-// A V^T tile (fa3/forward.cuh, e4m3): kRows rows (the head dim) of one 128-byte swizzle row of
-// keys from `key_begin` on, one box of a map over (keys, rows, heads, batch) (algo/v_transpose.cuh).
-template <int kRows>
+// A V^T tile (fa3/forward.cuh, e4m3): kChunks chunks of kRows rows (the head dim) of one 128-byte
+// swizzle row of keys from `key_begin` on, a box each of a map over (keys, rows, heads, batch)
+// (algo/v_transpose.cuh).
+template <int kRows, int kChunks>
 __device__ __forceinline__ void tma_load_transposed_tile(const FagenTensorMap& map, uint32_t dst, uint32_t full,
                                                          int key_begin, int head, int batch) {
-    ptx::mbarrier_arrive_expect_tx(full, kRows * 128);
-    ptx::cp_async_bulk_tensor_4d_global_to_shared(dst, &map, full, key_begin, 0, head, batch);
+    ptx::mbarrier_arrive_expect_tx(full, kChunks * kRows * 128);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+        ptx::cp_async_bulk_tensor_4d_global_to_shared(dst + c * kRows * 128, &map, full, key_begin + 128 * c, 0, head,
+                                                      batch);
+    }
 }
 
 // Where the runs of a K or V tile of kRows keys of a paged-layout batch row (algo/batch_row.cuh:

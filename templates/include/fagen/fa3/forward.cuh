@@ -96,7 +96,10 @@ struct Forward {
     static constexpr int kQKSteps = kHeadDim * kElementBytes / 32;         // 32-byte k-steps of Q K^T
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * kElementBytes;
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * kElementBytes;   // a K tile
-    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * kElementBytes;   // a V (or V^T) tile
+    // A V tile, or with e4m3 a V^T tile: kVtChunks chunks of kHeadDimV rows of 128 keys (192
+    // keys: two, the second's last 64 unread).
+    static constexpr int kVtChunks = Config::kVtChunks;
+    static constexpr uint32_t kVBytes = kVTransposed ? kVtChunks * kHeadDimV * 128 : kBlockN * kHeadDimV * kElementBytes;
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr int kRowLayout = Config::kPaged ? algo::kPagedRows : Config::kVarlen ? algo::kVarlenRows
                                                                                            : algo::kDenseRows;
@@ -119,8 +122,9 @@ struct Forward {
                   "the next tile's first Q K^T goes out outside the ping-pong turns");
     static_assert(!Config::kPaged || (!Config::kVarlen && kBlockN % Config::kCacheBoxRows == 0),
                   "a paged K/V tile is whole runs of cache rows");
-    static_assert(!kVTransposed || (kBlockN == 128 && !Config::kMmaRowSum && !Config::kPaged && !Config::kVarlen),
-                  "e4m3: V^T rows are one 128-byte swizzle row of keys; the softmax sums P in fp32");
+    static_assert(!kVTransposed || (kVtChunks == (kBlockN + 127) / 128 && kBlockN % 32 == 0 && !Config::kMmaRowSum &&
+                                    !Config::kPaged && !Config::kVarlen),
+                  "e4m3: V^T tiles are chunks of 128 keys, whole k-steps of 32; the softmax sums P in fp32");
 
     struct Smem {
         uint32_t q, k, v;  // shared addresses of the tiles
@@ -191,8 +195,8 @@ struct Forward {
                                                     w.kv_head, batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
         if constexpr (kVTransposed) {
-            algo::tma_load_transposed_tile<kHeadDimV>(maps.v, s.v_tile(slot), s.v_full(slot), key_begin, w.kv_head,
-                                                      batch);
+            algo::tma_load_transposed_tile<kHeadDimV, kVtChunks>(maps.v, s.v_tile(slot), s.v_full(slot), key_begin,
+                                                                 w.kv_head, batch);
         } else {
             algo::tma_load_tile<kVChunks, kChunkColumns>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
                                                          w.kv_head, batch);
@@ -250,8 +254,10 @@ struct Forward {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
             if constexpr (kVTransposed) {
+                // k-step kk: 32 keys, in chunk kk / 4 at byte (kk % 4) * 32 of its rows
+                const uint32_t offset = (kk / 4) * kHeadDimV * 128 + (kk % 4) * 32;
                 ptx::wgmma_rs_e4m3<Config::kPVColumns>(
-                    acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + kk * 32), 1);
+                    acc_o, p[kk], ptx::wgmma_desc_advance(d.v, slot * Config::kSmemVStageBytes + offset), 1);
             } else {
                 ptx::wgmma_rs<Config::kPVColumns, Config::kIsBf16, 1>(
                     acc_o, p[kk],
