@@ -385,6 +385,20 @@ def test_cpp_cache_box_rule_matches_python(open_bundle):
             assert result.stdout.split() == [str(contract.cache_box_rows(page_size, tile_rows))], (page_size, tile_rows)
 
 
+@pytest.mark.parametrize("shape", ((1, 1, 128, 1), (2, 8, 128, 500), (3, 2, 256, 4097), (1, 16, 256, 16384),
+                                   (5, 3, 128, 129)))
+def test_cpp_vt_rules_match_python(open_bundle, shape):
+    """An e4m3 forward's V^T (fagen/contract.py: vt_keys, vt_workspace_bytes) and its companion's
+    grid and block (vt_grid, vt_threads) in fagen.hpp as in Python."""
+    batch, heads_kv, head_dim_v, seqlen_k = shape
+    result = run(open_bundle, "--vt", *shape)
+    assert result.returncode == 0, result.stderr
+    assert tuple(int(x) for x in result.stdout.split()) == (
+        contract.vt_keys(seqlen_k), contract.vt_workspace_bytes(batch, heads_kv, head_dim_v, seqlen_k),
+        *contract.vt_grid(seqlen_k, heads_kv, batch), contract.vt_threads(head_dim_v))
+    assert contract.vt_keys(seqlen_k) % contract.VT_KEY_GROUP == 0 and contract.vt_keys(seqlen_k) - seqlen_k < 16
+
+
 @pytest.mark.parametrize("shape", ((1, 1, 1, 64, 64), (2, 4, 300, 128, 64), (3, 7, 4097, 96, 128), (1, 64, 17, 256, 64)))
 def test_cpp_workspace_rule_matches_python(open_bundle, shape):
     batch, heads_q, seqlen_q, head_dim, block_m = shape

@@ -34,6 +34,9 @@
 //   open_bundle --splits CTAS KEYS SLOTS MIN_SPLIT_KEYS NUM_SPLITS BATCH SEQLEN_Q HEADS_Q HEAD_DIM_V
 //                                       print split_count's count, then split_workspace's offsets
 //                                       and floats and the combine grid for NUM_SPLITS
+//   open_bundle --vt BATCH HEADS_KV HEAD_DIM_V SEQLEN_K
+//                                       print an e4m3 forward's vt_keys, vt_workspace_bytes, the
+//                                       companion's vt_grid and vt_threads
 //   open_bundle --workspace BATCH HEADS_Q SEQLEN_Q HEAD_DIM BLOCK_M
 //                                       print backward_workspace's offsets, floats, semaphores
 //                                       and the backward row grid
@@ -331,6 +334,15 @@ int main(int argc, char** argv) {
         const fagen::GridDims g = fagen::grid_dims(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]),
                                                    v[3], v[4], v[5], v[6], v[7], v[8], v[9]);
         std::printf("%lld %lld %lld\n", g.x, g.y, g.z);
+        return 0;
+    }
+    if (argc == 6 && std::strcmp(argv[1], "--vt") == 0) {
+        const long long batch = std::atoll(argv[2]), heads_kv = std::atoll(argv[3]), columns = std::atoll(argv[4]),
+                        seqlen_k = std::atoll(argv[5]);
+        const fagen::GridDims g = fagen::vt_grid(seqlen_k, heads_kv, batch);
+        std::printf("%lld %lld %lld %lld %lld %d\n", fagen::vt_keys(seqlen_k),
+                    fagen::vt_workspace_bytes(batch, heads_kv, columns, seqlen_k), g.x, g.y, g.z,
+                    fagen::vt_threads(static_cast<int>(columns)));
         return 0;
     }
     if (argc == 4 && std::strcmp(argv[1], "--cache-box") == 0) {
