@@ -1,25 +1,69 @@
-"""specs/blackwell.yaml (FA4, sm100a) builds on the CPU: tcgen05 SASS present, no spills, limits."""
+"""specs/blackwell.yaml builds on the CPU: its FA4 kernels (sm100a) with tcgen05 SASS, no spills,
+within the limits; its FA2 kernels for sm120 (RTX 50-series) and sm100a within those targets'
+shared memory, a sample of them compiled (the whole spec: `fagen build specs/blackwell.yaml`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import yaml
 
 from fagen import paths
 from fagen.build import build_bundle
 from fagen.model import algorithm_for, load_spec_file
+from fagen.model.arch import ARCHS, Arch
 from fagen.model.fa4 import TMEM_COLUMNS
+from fagen.model.specfile import Expansion
 
 JOBS = os.cpu_count() or 1
 SM100_MAX_SMEM = 227 * 1024
 
 
 @pytest.fixture(scope="session")
-def blackwell(tmp_path_factory, kernel_cache):
+def blackwell_spec():
+    return load_spec_file(paths.specs_dir() / "blackwell.yaml")
+
+
+@pytest.fixture(scope="session")
+def blackwell(blackwell_spec, tmp_path_factory, kernel_cache):
+    """The spec's FA4 kernels, built."""
     out = tmp_path_factory.mktemp("bundles") / "blackwell"
-    expansion = load_spec_file(paths.specs_dir() / "blackwell.yaml")
+    expansion = Expansion(bundle="blackwell-fa4", specs=[s for s in blackwell_spec.specs if s.fa_version == 4])
     return expansion, build_bundle(expansion, out, jobs=JOBS, cache_dir=kernel_cache)
+
+
+def test_fa2_covers_sm120_and_fits_its_shared_memory(blackwell_spec):
+    """FA2 for sm120 forward and backward at head dims 64/128/256 under every built-in mask, and
+    its split-KV kernels; every FA2 tile within its target's shared memory (99 KB on sm120). What
+    the spec cannot build is only sm120's split-KV at head dim 256 (no split-KV tile fits)."""
+    fa2 = [s for s in blackwell_spec.specs if s.fa_version == 2]
+    have = {(s.arch.value, s.direction, s.layout, s.head_dim, s.mask) for s in fa2}
+    for direction in ("fwd", "bwd"):
+        assert {("sm120", direction, "dense", d, m) for d in (64, 128, 256)
+                for m in ("full", "causal", "local")} <= have
+    assert {("sm120", "fwd", "paged", d, "local") for d in (64, 128)} <= have
+    assert {("sm100a", "fwd", "dense", 256, "local"), ("sm100a", "fwd", "paged", 128, "local")} <= have
+    for spec in fa2:
+        assert spec.geometry.smem_bytes <= ARCHS[spec.arch].max_smem_per_block, spec.name
+    assert ARCHS[Arch.sm120].max_smem_per_block == 99 * 1024
+    entries = yaml.safe_load((paths.specs_dir() / "blackwell.yaml").read_text())["kernels"]
+    skipped = {(entries[i]["arch"], entries[i].get("layout"), fields["head_dim"]) for i, fields, _ in blackwell_spec.skipped}
+    assert skipped == {("sm120", "paged", 256)}
+
+
+def test_fa2_sm120_sample_compiles_without_local_memory(blackwell_spec, tmp_path, kernel_cache):
+    """One sm120 kernel of each kind (forward, backward, split-KV; bf16, head dim 128): mma.sync
+    (HMMA) SASS, no local memory, registers and shared memory within sm120's limits."""
+    sample = [s for s in blackwell_spec.specs if s.fa_version == 2 and s.arch == Arch.sm120 and s.dtype == "bf16"
+              and s.head_dim == 128 and s.mask in ("causal", "local") and (s.layout == "paged") == (s.mask == "local")]
+    assert {(s.direction, s.layout) for s in sample} == {("fwd", "dense"), ("bwd", "dense"), ("fwd", "paged")}
+    report = build_bundle(Expansion(bundle="sm120", specs=sample), tmp_path / "b", jobs=JOBS, cache_dir=kernel_cache)
+    for entry in report.manifest.kernels:
+        assert entry.arch == "sm120" and tuple(entry.compute_capability) == (12, 0) and not entry.arch_specific
+        assert "HMMA" in entry.sass and not {"LDL", "STL"} & set(entry.sass), entry.name
+        assert entry.resources.spill_bytes == 0 and entry.resources.registers <= 255, entry.name
+        assert entry.launch.dynamic_smem <= 99 * 1024, entry.name
 
 
 def test_covers_head_dims_masks_and_dtypes(blackwell):

@@ -22,6 +22,7 @@ ARCHS = {
     "sm90": ((9, 0), False),
     "sm90a": ((9, 0), True),
     "sm100a": ((10, 0), True),
+    "sm120": ((12, 0), False),
 }
 
 
@@ -91,6 +92,25 @@ def test_plain_cubin_runs_on_later_minor_only(hopper_bundle):
     assert hopper_bundle.select(KEY, (8, 0)).arch == "sm80"
     assert hopper_bundle.select(KEY, (8, 6)).arch == "sm86"
     assert hopper_bundle.select(KEY, (8, 9)).arch == "sm86"  # closest capability wins
+
+
+def test_blackwell_devices_take_fa4_on_sm100_and_fa2_on_sm120(tmp_path):
+    """specs/blackwell.yaml's selection: a B200 (10.0) runs FA4 where the bundle has it and the
+    sm100a FA2 build for the rest (a window); an RTX 50-series (12.0, no tcgen05) runs the sm120
+    FA2 build; neither runs a Hopper or Ampere cubin (no cubin runs across major versions)."""
+    local = "fwd/bf16/hd128/local"
+    bundle = load(write_bundle(tmp_path / "b", [
+        kernel_entry("sm100a", KEY, fa_version=4), kernel_entry("sm100a", KEY), kernel_entry("sm120", KEY),
+        kernel_entry("sm100a", local), kernel_entry("sm120", local), kernel_entry("sm90a", KEY, fa_version=3),
+        kernel_entry("sm80", KEY), kernel_entry("sm90", local),
+    ]))
+    assert (bundle.select(KEY, (10, 0)).arch, bundle.select(KEY, (10, 0)).fa_version) == ("sm100a", 4)
+    assert (bundle.select(local, (10, 0)).arch, bundle.select(local, (10, 0)).fa_version) == ("sm100a", 2)
+    for cc in ((12, 0), (12, 1)):
+        for key in (KEY, local):
+            assert (bundle.select(key, cc).arch, bundle.select(key, cc).fa_version) == ("sm120", 2)
+    with pytest.raises(KernelNotFound):
+        bundle.select(local, (10, 3))  # an sm100a cubin runs on 10.0 only
 
 
 def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):
