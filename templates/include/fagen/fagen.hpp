@@ -1193,9 +1193,7 @@ public:
         if (Status s = check_varlen(a); !s.ok()) return s;
         const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
-                                               a.varlen() ? "varlen" : "dense"),
-                                   a.seqlen_k);
+        auto kernel = forward_kernel(a, mask.value());
         if (!kernel.ok()) return kernel.status();
         const bool tma = kernel.value()->uses_tma();
 
@@ -1228,6 +1226,12 @@ public:
         return kernel.value()->launch(p, &maps, stream, a.workspace);
     }
 
+    // The kernel a forward of `a` under `mask` runs (its key: forward_key).
+    Result<const Kernel*> forward_kernel(const Attention& a, const CallMask& mask) {
+        return kernel(forward_key(a.dtype, a.head_dim, a.variant(mask), a.head_dim_v, a.varlen() ? "varlen" : "dense"),
+                      a.seqlen_k);
+    }
+
     // Bytes of the workspace (Attention::workspace) a forward of `a` needs: an e4m3 forward's
     // V^T (contract.h: vt_workspace_bytes), else the selected kernel's (FA1's fp32 rows; 0: none).
     Result<size_t> forward_workspace_bytes(const Attention& a) {
@@ -1236,9 +1240,7 @@ public:
         }
         const Result<CallMask> mask = a.mask();
         if (!mask.ok()) return mask.status();
-        auto kernel = this->kernel(forward_key(a.dtype, a.head_dim, a.variant(mask.value()), a.head_dim_v,
-                                               a.varlen() ? "varlen" : "dense"),
-                                   a.seqlen_k);
+        auto kernel = forward_kernel(a, mask.value());
         if (!kernel.ok()) return kernel.status();
         FagenFwdParams p{};
         p.seqlen_q = a.seqlen_q;
