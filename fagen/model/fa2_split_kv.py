@@ -192,6 +192,9 @@ TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa2SplitKvTile(warps=4, stages=2), 256,
               "3522 / 4092 / 3575 GB/s (140 KB, one CTA per SM; fits sm80's 163 KB); 3 stages "
               "3499 / 4011 / 3479, 2 warps with 4 stages 3411 / 3971 / 3436"),
+    TuningRow(Fa2SplitKvTile(warps=2, stages=2), 256,
+              "fallback for 99 KB parts (76 KB; sm120 in specs/blackwell.yaml): not measured, the "
+              "H200 takes the row above"),
     # An e4m3 cache: a slot holds half the bytes. From bench.decode --sweep on the H200
     # (2026-12-04; bf16 queries, 32:8 heads, K/V tokens per second as GB/s of bf16 at batch 1 /
     # 64k keys, 64 / 4k, 64 / 16k): 32-key steps pay at head dim 128, where half the bytes per
