@@ -390,7 +390,8 @@ class PreparedAttention:
 
     def launch(self, out: int, lse: int, stream: int, workspace: int = 0) -> None:
         """Enqueue on `stream` with the output at `out` (strides as prepared) and the LSE at
-        `lse` (0: not written); `workspace`: a device buffer of workspace_bytes."""
+        `lse` (0: not written); `workspace`: a device buffer of workspace_bytes (16-byte
+        aligned; an e4m3 forward's companion writes V^T there first, on the same stream)."""
         with driver.primary_context(self.device):
             self.enqueue(out, lse, stream, workspace)
 
