@@ -376,9 +376,9 @@ class PreparedAttention:
         params = FwdParams.from_buffer_copy(self.params)
         params.o, params.lse = out, lse
         extra = self.extra_params
-        if self.workspace_bytes and not workspace:
+        if self.workspace_bytes and (not workspace or (self.vt is not None and workspace % ALIGNMENT_BYTES)):
             raise AttentionError(f"kernel {self.kernel.entry.name} needs a workspace of "
-                                 f"{self.workspace_bytes} bytes")
+                                 f"{self.workspace_bytes} bytes" + (", 16-byte aligned" if self.vt else ""))
         if self.vt is not None:
             self.kernel.enqueue_companion(contract.E4M3_VT_SUFFIX, params, self.vt.grid,
                                           contract.vt_threads(self.vt.problem.value_dim), stream,

@@ -46,8 +46,10 @@ def test_an_e4m3_call_maps_bytes_in_128_column_boxes(bundle, fake):  # noqa: F81
     assert prepared.kernel.entry.key == E4M3_KEY
     keys = contract.vt_keys(SEQLEN_K)
     assert keys == 512 and prepared.workspace_bytes == BATCH * HEADS_KV * 128 * keys
-    with pytest.raises(AttentionError, match=f"needs a workspace of {prepared.workspace_bytes} bytes"):
-        prepared.launch(0x40000, 0, 0)
+    for workspace in (0, 0x60008):  # none; not 16-byte aligned (V^T's TMA map needs it)
+        with pytest.raises(AttentionError, match=f"needs a workspace of {prepared.workspace_bytes} bytes, 16-byte"):
+            prepared.launch(0x40000, 0, 0, workspace=workspace)
+    assert fake.launches == []
     second_parameters = []
     real = fake.cuLaunchKernelEx
 
