@@ -55,6 +55,27 @@ def model(attn: str, seqlen: int, family: str = "llama"):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).cuda()
 
 
+def parameter_gradients(net, tokens, autocast: bool, **inputs) -> dict:
+    """Every parameter's gradient after one next-token loss on `tokens` (bf16 autocast or fp32)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        logits = net(input_ids=tokens[:, :-1], **inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return {n: p.grad.float() for n, p in net.named_parameters()}
+
+
+def worst_gradient(grads: dict, ours: str, noise: str, reference: str = "eager") -> tuple:
+    """(ratio, name, our error, the noise run's error) of the parameter whose gradient is
+    furthest from `reference`'s relative to the noise run's distance."""
+    worst = []
+    for name, ref in grads[reference].items():
+        scale = ref.norm().item() + 1e-12
+        mine = (grads[ours][name] - ref).norm().item() / scale
+        theirs = (grads[noise][name] - ref).norm().item() / scale
+        worst.append((mine / max(theirs, 1e-3), name, mine, theirs))
+    return max(worst)
+
+
 def test_attention_gradients_at_the_models_shapes(bundle):
     # The layout transformers hands over: (batch, heads, seq, dim) views transposed to
     # flash-attn's layout, 8 query heads on 2 K/V heads, seqlen a multiple of every block.
@@ -82,25 +103,12 @@ def test_model_gradients_match_sdpa_within_the_noise_of_bf16(bundle, family):
     seqlen = 1024
     tokens = torch.randint(0, 576, (4, seqlen + 1), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))
-    grads = {}
-    for run in ("fagen", noise, "eager"):
-        attn = "eager" if run == "eager-bf16" else run
-        net = model(attn, seqlen, family)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run != "eager"):
-            logits = net(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        grads[run] = {n: p.grad.float() for n, p in net.named_parameters()}
+    grads = {run: parameter_gradients(model("eager" if run == "eager-bf16" else run, seqlen, family), tokens,
+                                      run != "eager")
+             for run in ("fagen", noise, "eager")}
     # fp32 eager is the reference; the noise run under bf16 autocast sets the noise each tensor
     # may have.
-    worst = []
-    for name, ref in grads["eager"].items():
-        scale = ref.norm().item() + 1e-12
-        ours = (grads["fagen"][name] - ref).norm().item() / scale
-        theirs = (grads[noise][name] - ref).norm().item() / scale
-        worst.append((ours / max(theirs, 1e-3), name, ours, theirs))
-    worst.sort(reverse=True)
-    ratio, name, ours, theirs = worst[0]
+    ratio, name, ours, theirs = worst_gradient(grads, "fagen", noise)
     assert ratio <= 3, f"{name}: relative error {ours:.3e} against {noise}'s {theirs:.3e} (of fp32 eager)"
 
 
@@ -117,19 +125,8 @@ def test_packed_sequences_match_sdpa_within_the_noise_of_bf16(bundle):
     lengths = [[300, 77, 520, 127], [1, 1023]]  # two rows of 1024 tokens
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).cuda()
     tokens = torch.randint(0, 576, (2, 1025), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    grads = {}
-    for run in ("fagen", "sdpa", "eager"):
-        net = model(run, 1024)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run != "eager"):
-            logits = net(input_ids=tokens[:, :-1], position_ids=positions, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        grads[run] = {n: p.grad.float() for n, p in net.named_parameters()}
-    worst = []
-    for name, ref in grads["eager"].items():
-        scale = ref.norm().item() + 1e-12
-        ours = (grads["fagen"][name] - ref).norm().item() / scale
-        theirs = (grads["sdpa"][name] - ref).norm().item() / scale
-        worst.append((ours / max(theirs, 1e-3), name, ours, theirs))
-    ratio, name, ours, theirs = max(worst)
+    grads = {run: parameter_gradients(model(run, 1024), tokens, run != "eager", position_ids=positions,
+                                      use_cache=False)
+             for run in ("fagen", "sdpa", "eager")}
+    ratio, name, ours, theirs = worst_gradient(grads, "fagen", "sdpa")
     assert ratio <= 3, f"{name}: relative error {ours:.3e} against sdpa's {theirs:.3e} (of fp32 eager)"
