@@ -81,6 +81,17 @@ struct ElementOps<__nv_fp8_e4m3> {
     }
 };
 
+// D0 += A B0 and D1 += A B1 (mma.sync m16n8k16) for the two n8 tiles of B an ldmatrix.x4 gave:
+// b[0], b[1] the first tile's k halves, b[2], b[3] the second's.
+template <class Ops>
+__device__ __forceinline__ void mma_two_n8(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
+                                           const uint32_t (&b)[4]) {
+    const uint32_t b0[2] = {b[0], b[1]};
+    const uint32_t b1[2] = {b[2], b[3]};
+    Ops::mma(d0, a, b0);
+    Ops::mma(d1, a, b1);
+}
+
 // Keys of P V per k-step (and per A fragment of 4 registers): 16 of 2-byte elements, 32 of e4m3.
 template <class Element>
 inline constexpr int kPvStepKeys = 32 / static_cast<int>(sizeof(Element));

@@ -173,10 +173,7 @@ struct Forward {
             for (int np = 0; np < kSTiles / 2; ++np) {
                 uint32_t b[4];
                 ptx::ldmatrix_x4(b, k_addr + np * 16 * kPitch + kk * 32);
-                const uint32_t b_lo[2] = {b[0], b[1]};
-                const uint32_t b_hi[2] = {b[2], b[3]};
-                Ops::mma(acc_s[0][2 * np], a, b_lo);
-                Ops::mma(acc_s[0][2 * np + 1], a, b_hi);
+                algo::mma_two_n8<Ops>(acc_s[0][2 * np], acc_s[0][2 * np + 1], a, b);
             }
         }
         if (mask.block_needs_mask(j, row_begin + warp_row, 16, Config::kBlockN)) {
@@ -243,10 +240,7 @@ struct Forward {
             for (int dp = 0; dp < kOTiles / 2; ++dp) {
                 uint32_t b[4];
                 ptx::ldmatrix_x4_trans(b, v_addr + kk * 16 * kPitch + dp * 32);
-                const uint32_t b_lo[2] = {b[0], b[1]};
-                const uint32_t b_hi[2] = {b[2], b[3]};
-                Ops::mma(acc_o[0][2 * dp], a, b_lo);
-                Ops::mma(acc_o[0][2 * dp + 1], a, b_hi);
+                algo::mma_two_n8<Ops>(acc_o[0][2 * dp], acc_o[0][2 * dp + 1], a, b);
             }
         }
 

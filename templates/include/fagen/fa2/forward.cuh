@@ -181,12 +181,9 @@ struct Forward {
                 for (int np = 0; np < kSTiles / 2; ++np) {
                     uint32_t b[4];
                     ptx::ldmatrix_x4(b, smem_k + k_lane + np * 16 * kPitch + kk * 32);
-                    const uint32_t b_lo[2] = {b[0], b[1]};
-                    const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
                     for (int m = 0; m < kMTiles; ++m) {
-                        Ops::mma(acc_s[m][2 * np], a[m], b_lo);
-                        Ops::mma(acc_s[m][2 * np + 1], a[m], b_hi);
+                        algo::mma_two_n8<Ops>(acc_s[m][2 * np], acc_s[m][2 * np + 1], a[m], b);
                     }
                 }
             }
@@ -215,12 +212,9 @@ struct Forward {
                 for (int dp = 0; dp < kOTiles / 2; ++dp) {
                     uint32_t b[4];
                     ptx::ldmatrix_x4_trans(b, smem_v + v_lane + kk * 16 * kVPitch + dp * 32);
-                    const uint32_t b_lo[2] = {b[0], b[1]};
-                    const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
                     for (int m = 0; m < kMTiles; ++m) {
-                        Ops::mma(acc_o[m][2 * dp], a[m], b_lo);
-                        Ops::mma(acc_o[m][2 * dp + 1], a[m], b_hi);
+                        algo::mma_two_n8<Ops>(acc_o[m][2 * dp], acc_o[m][2 * dp + 1], a[m], b);
                     }
                 }
             }
