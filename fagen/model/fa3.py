@@ -371,12 +371,17 @@ class Fa3ForwardSpec(KernelSpec):
     tile: Fa3Tile
 
     @model_validator(mode="after")
-    def _check_e4m3_variant(self) -> "Fa3ForwardSpec":
-        """e4m3 kernels exist for the dense layout with the built-in masks and no score
-        modifier: their descales scale the scores, which the modifiers' code does not yet take."""
+    def _check_softmax_options(self) -> "Fa3ForwardSpec":
+        """FA3 takes exp2_emulation only (its tile is a SoftmaxTricksTile)."""
         if self.tile.rescale_threshold is not None:
             raise ValueError("tile.rescale_threshold: not built for FA3 (e4m3's P, scaled to use its range, "
                              "would pass 448 when the reference maximum lags)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_e4m3_variant(self) -> "Fa3ForwardSpec":
+        """e4m3 kernels exist for the dense layout with the built-in masks and no score
+        modifier: their descales scale the scores, which the modifiers' code does not yet take."""
         if self.dtype != "e4m3":
             return self
         if self.layout != "dense":

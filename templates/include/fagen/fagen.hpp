@@ -423,10 +423,11 @@ inline std::string forward_key(DType dtype, int head_dim, const std::string& var
     return kernel_key("fwd", dtype_name(dtype), head_dim, variant, head_dim_v, layout);
 }
 
-// Whether `key` is a kernel of the paged layout (a KV cache's: its last part).
+// Whether `key` is an e4m3 forward's (q, k and v e4m3; a KV cache's e4m3 spells "bf16-e4m3").
 inline bool is_e4m3_forward_key(const std::string& key) {
     return key.rfind(std::string("fwd/") + dtype_name(DType::e4m3) + "/", 0) == 0;
 }
+// Whether `key` is a kernel of the paged layout (a KV cache's: its last part).
 inline bool is_paged_key(const std::string& key) {
     const std::string suffix = "/paged";
     return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -1346,11 +1347,8 @@ public:
         }
         if (tiles) {
             FagenTmaMaps maps{};
-            const std::array<TensorMapArgs, 3> args = kvcache_map_args(a, q, k, v, kernel.value()->info());
-            FagenTensorMap* const targets[3] = {&maps.q, &maps.k, &maps.v};
-            for (int i = 0; i < 3; ++i) {
-                if (Status s = encode_tensor_map(targets[i], args[i]); !s.ok()) return s;
-            }
+            if (Status s = encode_maps(&maps.q, &maps.k, &maps.v, kvcache_map_args(a, q, k, v, kernel.value()->info()));
+                !s.ok()) return s;
             return kernel.value()->launch(p, &maps, stream);
         }
         if (Status s = kernel.value()->launch(p, nullptr, stream); !s.ok()) return s;
@@ -1833,7 +1831,12 @@ private:
     static Status encode_qkv_maps(FagenTensorMap* q_map, FagenTensorMap* k_map, FagenTensorMap* v_map,
                                   const Attention& a, const Strides& q, const Strides& k, const Strides& v,
                                   const FagenKernelInfo& info) {
-        const std::array<TensorMapArgs, 3> args = qkv_map_args(a, q, k, v, info.tma_q_rows, info.tma_kv_rows);
+        return encode_maps(q_map, k_map, v_map, qkv_map_args(a, q, k, v, info.tma_q_rows, info.tma_kv_rows));
+    }
+
+    // `args` (Q's, K's, V's) into the three maps.
+    static Status encode_maps(FagenTensorMap* q_map, FagenTensorMap* k_map, FagenTensorMap* v_map,
+                              const std::array<TensorMapArgs, 3>& args) {
         FagenTensorMap* const maps[3] = {q_map, k_map, v_map};
         for (int i = 0; i < 3; ++i) {
             if (Status s = encode_tensor_map(maps[i], args[i]); !s.ok()) return s;

@@ -75,8 +75,7 @@ struct Forward {
     using OutOps = algo::ElementOps<Output>;
 
     static constexpr int kElementBytes = sizeof(Element);
-    static constexpr bool kE4m3 = kElementBytes == 1;
-    static constexpr bool kVTransposed = kE4m3;  // P V reads V^T: see the top of this file
+    static constexpr bool kE4m3 = kElementBytes == 1;  // also: P V reads V^T (see the top of this file)
     static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
     static constexpr int kHeadDimV = Config::kHeadDimV;  // V and O columns
     static constexpr int kBlockM = Config::kBlockM;
@@ -99,7 +98,7 @@ struct Forward {
     // A V tile, or with e4m3 a V^T tile: kVtChunks chunks of kHeadDimV rows of 128 keys (192
     // keys: two, the second's last 64 unread).
     static constexpr int kVtChunks = Config::kVtChunks;
-    static constexpr uint32_t kVBytes = kVTransposed ? kVtChunks * kHeadDimV * 128 : kBlockN * kHeadDimV * kElementBytes;
+    static constexpr uint32_t kVBytes = kE4m3 ? kVtChunks * kHeadDimV * 128 : kBlockN * kHeadDimV * kElementBytes;
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr int kRowLayout = Config::kPaged ? algo::kPagedRows : Config::kVarlen ? algo::kVarlenRows
                                                                                            : algo::kDenseRows;
@@ -122,7 +121,7 @@ struct Forward {
                   "the next tile's first Q K^T goes out outside the ping-pong turns");
     static_assert(!Config::kPaged || (!Config::kVarlen && kBlockN % Config::kCacheBoxRows == 0),
                   "a paged K/V tile is whole runs of cache rows");
-    static_assert(!kVTransposed || (kVtChunks == (kBlockN + 127) / 128 && kBlockN % 32 == 0 && !Config::kMmaRowSum &&
+    static_assert(!kE4m3 || (kVtChunks == (kBlockN + 127) / 128 && kBlockN % 32 == 0 && !Config::kMmaRowSum &&
                                     !Config::kPaged && !Config::kVarlen),
                   "e4m3: V^T tiles are chunks of 128 keys, whole k-steps of 32; the softmax sums P in fp32");
 
@@ -194,7 +193,7 @@ struct Forward {
         algo::tma_load_tile<kChunks, kChunkColumns>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot), key_begin,
                                                     w.kv_head, batch);
         ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-        if constexpr (kVTransposed) {
+        if constexpr (kE4m3) {
             algo::tma_load_transposed_tile<kHeadDimV, kVtChunks>(maps.v, s.v_tile(slot), s.v_full(slot), key_begin,
                                                                  w.kv_head, batch);
         } else {
@@ -224,7 +223,7 @@ struct Forward {
     static __device__ __forceinline__ Descriptors descriptors(const Smem& s, int consumer, int q) {
         return {ptx::wgmma_desc_swizzle128(s.q_tile(q) + consumer * 64 * 128, 16, kSwizzleAtomBytes),
                 ptx::wgmma_desc_swizzle128(s.k, 16, kSwizzleAtomBytes),
-                kVTransposed ? ptx::wgmma_desc_swizzle128(s.v, 16, kSwizzleAtomBytes)
+                kE4m3 ? ptx::wgmma_desc_swizzle128(s.v, 16, kSwizzleAtomBytes)
                             : ptx::wgmma_desc_swizzle128(s.v, kBlockN * 128, kSwizzleAtomBytes)};
     }
 
@@ -253,7 +252,7 @@ struct Forward {
                                                     const Descriptors& d, int slot) {
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            if constexpr (kVTransposed) {
+            if constexpr (kE4m3) {
                 // k-step kk: 32 keys, in chunk kk / 4 at byte (kk % 4) * 32 of its rows
                 const uint32_t offset = (kk / 4) * kHeadDimV * 128 + (kk % 4) * 32;
                 ptx::wgmma_rs_e4m3<Config::kPVColumns>(
