@@ -43,6 +43,7 @@ def test_fa2_covers_sm120_and_fits_its_shared_memory(blackwell_spec):
                 for m in ("full", "causal", "local")} <= have
     assert {("sm120", "fwd", "paged", d, "local") for d in (64, 128, 256)} <= have
     assert {("sm100a", "fwd", "dense", 256, "local"), ("sm100a", "fwd", "paged", 128, "local")} <= have
+    assert {("sm100a", "bwd", "dense", d, m) for d in (64, 128, 256) for m in ("full", "causal", "local")} <= have
     for spec in fa2:
         assert spec.geometry.smem_bytes <= ARCHS[spec.arch].max_smem_per_block, spec.name
     assert ARCHS[Arch.sm120].max_smem_per_block == 99 * 1024
@@ -61,6 +62,19 @@ def test_fa2_sm120_sample_compiles_without_local_memory(blackwell_spec, tmp_path
         assert "HMMA" in entry.sass and not {"LDL", "STL"} & set(entry.sass), entry.name
         assert entry.resources.spill_bytes == 0 and entry.resources.registers <= 255, entry.name
         assert entry.launch.dynamic_smem <= 99 * 1024, entry.name
+
+
+def test_fa2_sm100a_backward_compiles_without_local_memory(blackwell_spec, tmp_path, kernel_cache):
+    """FA2's backward for sm100a (bf16, head dim 128, causal): ptxas put the preprocess's
+    accumulator in local memory there while it was indexed by a lane value (2026-12-04)."""
+    sample = [s for s in blackwell_spec.specs if s.fa_version == 2 and s.arch == Arch.sm100a and s.direction == "bwd"
+              and s.dtype == "bf16" and s.head_dim == 128 and s.mask == "causal"]
+    assert len(sample) == 1
+    report = build_bundle(Expansion(bundle="sm100a-fa2-bwd", specs=sample), tmp_path / "b", jobs=JOBS,
+                          cache_dir=kernel_cache)
+    for entry in report.manifest.kernels:
+        assert "HMMA" in entry.sass and not {"LDL", "STL"} & set(entry.sass), entry.name
+        assert entry.resources.spill_bytes == 0, entry.name
 
 
 def test_covers_head_dims_masks_and_dtypes(blackwell):

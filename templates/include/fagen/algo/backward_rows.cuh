@@ -95,11 +95,14 @@ struct BackwardRows {
         // element g % 2; row g + 8's is column g of the second tile, element 2 + g % 2 there.
         float sink_grad = 0.f;  // this lane's rows' part of dL/dsink
         if (t == g / 2) {
+#pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = first + g + 8 * half;
                 if (row >= seqlen_q) continue;
                 const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin() + row];
-                const float d = acc[half][2 * half + g % 2];
+                // Selected, not indexed by g: a run-time index puts acc in local memory (ptxas
+                // for sm100a did, 2026-12-04).
+                const float d = g % 2 ? acc[half][2 * half + 1] : acc[half][2 * half];
                 p.softmax_d[head_row0 + row] = d;
                 p.lse_log2[head_row0 + row] = algo::base2_lse(lse);
                 // The sink's probability P_s = exp(sink - LSE) and its dP_s = dO . 0: its
