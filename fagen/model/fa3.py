@@ -10,7 +10,7 @@ re-checks them with static_assert.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -39,6 +39,17 @@ ROW_SUM_COLUMNS = 8
 # none). Consumers share the rest of the 64K: 24 + 2 x 240 = 504 per thread-slot of 128 threads
 # with two consumer warpgroups, 24 + 3 x 160 = 504 with three.
 PRODUCER_REGISTERS = 24
+# The paged layout's producer: its 128 threads gather K/V rows with cp.async where pages are 16
+# keys (algo/cache_gather.cuh), each thread's page lookups for eight rows of two blocks (the next
+# one's prefetched) live beside the tile walk's state: at 56, 64, 72, 80 registers hd128 spilled
+# 76, 48, 4, 4 bytes (2026-12-04); 88 + 2 x 208 = 504 (the two consumer warpgroups need about 188
+# at hd64/128). At head_dim_v 64 only for now: hd128 gathered measured 0.50-0.60x the varlen
+# call at 16-key pages against TMA's 0.42-0.44x, but in builds beside the shipped one (80
+# registers gathering every page size, or three stages); its shipped build waits for a GPU run
+# (docs/performance.md, entry 163). At 256 the consumers of the paged tile (m128n80) spill
+# below 240.
+GATHER_PRODUCER_REGISTERS = 88
+GATHER_MAX_HEAD_DIM_V = 64
 # Registers of a consumer thread beyond S, O and P: softmax state, descriptors, loop state.
 # 28: hd64 m192n128 with mma_row_sum (S 64 + O and row sums 36 + P 32 = 132) compiles without
 # spills under setmaxnreg 160.
@@ -87,6 +98,8 @@ class Fa3Geometry(TmaRingLayout):
     early_first_qk: bool
     peel_masked_blocks: bool
     mma_row_sum: bool
+    # The paged layout: the producer warpgroup gathers K/V tiles where TMA would copy 16-key boxes.
+    gathers_kv: bool = field(default=False, kw_only=True)
 
     @property
     def consumers(self) -> int:
@@ -149,8 +162,12 @@ class Fa3Geometry(TmaRingLayout):
         return 8 * (MBARRIERS_PER_Q_STAGE * self.q_stages + MBARRIERS_PER_STAGE * self.stages)
 
     @property
+    def producer_registers(self) -> int:
+        return GATHER_PRODUCER_REGISTERS if self.gathers_kv else PRODUCER_REGISTERS
+
+    @property
     def consumer_registers(self) -> int:
-        return consumer_registers(self.threads, self.consumers, PRODUCER_REGISTERS)
+        return consumer_registers(self.threads, self.consumers, self.producer_registers)
 
     @property
     def estimated_registers(self) -> int:
@@ -268,10 +285,13 @@ TUNING: tuple[TuningRow, ...] = (
               "softcap or ALiBi: the three-consumer row below spilled 12-120 bytes at its 160 "
               "registers with the modifier's (2026-12-02); two consumers have 240",
               score=("softcap", "alibi")),
-    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2, peel_masked_blocks=True), 64,
+    TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=3, peel_masked_blocks=True), 64,
               "the paged layout (a KV-cache prefill): the three-consumer row below spilled 12 "
               "bytes at its 160 registers with the cache's row state and the V rows' clearing "
-              "(2026-12-02); two consumers have 240", layout="paged"),
+              "(2026-12-02); two consumers have 208 beside the gathering producer. A third stage "
+              "(112 KB smem): 377-435 against 329-383 TFLOP/s at 256-key pages (TMA), the same "
+              "at 16 (gathered) (2026-12-04; at hd128 a third stage lost 30 % gathering 16-key "
+              "pages and changed the TMA rows by under 3 %)", layout="paged"),
     TuningRow(Fa3Tile(block_m=128, block_n=128, warps=12, stages=2), 64,
               "a custom mask: the three-consumer row below spilled 4 bytes with the document "
               "mask's element mask on every block (2026-12-02); two consumers have 240",
@@ -399,6 +419,12 @@ class Fa3ForwardSpec(KernelSpec):
                            tile.mma_row_sum, head_dim_v=head_dim_v,
                            element_bytes=contract.DTYPE_BYTES[dtype])
 
+    @property
+    def geometry(self) -> Fa3Geometry:
+        """geometry_of, with the paged layout's gathering producer (its registers)."""
+        geometry = super().geometry
+        return replace(geometry, gathers_kv=self.layout == "paged" and geometry.head_dim_v <= GATHER_MAX_HEAD_DIM_V)
+
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [
@@ -413,7 +439,7 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kMmaRowSum", g.mma_row_sum),
             Constexpr("kPVColumns", g.pv_columns),
             Constexpr("kSmemVStageBytes", g.smem_v_stage_bytes),
-            Constexpr("kProducerRegisters", PRODUCER_REGISTERS),
+            Constexpr("kProducerRegisters", g.producer_registers),
             Constexpr("kConsumerRegisters", g.consumer_registers),
             Constexpr("kSmemQOffset", g.smem_q_offset),
             Constexpr("kSmemKOffset", g.smem_k_offset),
@@ -421,6 +447,7 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemBytes", g.smem_bytes),
             Constexpr("kPaged", self.layout == "paged"),
+            Constexpr("kGathersKv", g.gathers_kv),
             Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
             Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
             Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),

@@ -254,6 +254,23 @@ def test_fa3_three_consumer_warpgroups_split_the_registers():
     assert (two.consumers, two.consumer_registers) == (2, 240)
 
 
+def test_fa3_paged_hd64_producer_gathers_with_more_registers():
+    """The paged layout at head_dim_v 64 gathers 16-key pages with all 128 producer threads
+    (algo/cache_gather.cuh): 88 registers for them, 208 for each consumer; the other layouts
+    and head dims keep the one-thread TMA producer's 24 (and 240)."""
+    tile = {**FA3_TILE, "block_m": 128, "warps": 12}
+    paged = spec(fa_version=3, arch="sm90a", head_dim=64, mask="local", layout="paged", tile=tile)
+    dense = spec(fa_version=3, arch="sm90a", head_dim=64, mask="local", tile=tile)
+    paged_128 = spec(fa_version=3, arch="sm90a", head_dim=128, mask="local", layout="paged", tile=tile)
+    assert paged.geometry.gathers_kv and not dense.geometry.gathers_kv and not paged_128.geometry.gathers_kv
+    assert (paged.geometry.producer_registers, paged.geometry.consumer_registers) == (88, 208)
+    assert (dense.geometry.producer_registers, dense.geometry.consumer_registers) == (24, 240)
+    assert (paged_128.geometry.producer_registers, paged_128.geometry.consumer_registers) == (24, 240)
+    constexprs = {c.name: c.value for c in paged.algorithm_constexprs()}
+    assert (constexprs["kGathersKv"], constexprs["kProducerRegisters"], constexprs["kConsumerRegisters"]) == \
+        (True, 88, 208)
+
+
 def test_fa3_one_consumer_tiles_are_gone():
     # Two CTAs per SM of one consumer each measured below the two-consumer tiles (run 23).
     text = error_text(fa_version=3, arch="sm90a", head_dim=64,

@@ -5,7 +5,8 @@
 // sections 3.1 and 3.2), and a persistent grid. Dense, varlen (Config::kVarlen:
 // algo/batch_row.cuh; a varlen map spans the packed rows, batch 1) or paged (Config::kPaged: a
 // KV-cache call's prefill, its K/V tiles loaded in runs of keys through the block table,
-// algo/tma_tile.cuh: cache_runs).
+// algo/tma_tile.cuh: cache_runs, or where pages hold no whole tile gathered by the producer
+// warpgroup, algo/cache_gather.cuh).
 //
 // The element is fp16, bf16 or e4m3 (FP8, FlashAttention-3 paper section 3.3): with e4m3 both
 // products run on the 8-bit wgmma (k32), the scores and O are scaled by the call's descales
@@ -16,7 +17,8 @@
 // that V^T.
 //
 // Roles (warpgroup = 128 threads):
-//   producer  (warpgroup 0): one thread issues every TMA load.
+//   producer  (warpgroup 0): one thread issues every TMA load (paged, gathering: all 128 copy
+//             K/V rows, thread 0 loads Q).
 //   consumers (the others: 2 or 3 warpgroups of 64 query rows each): S = Q K^T (wgmma, both
 //             operands in shared memory), online softmax, O += P V (wgmma, P from registers),
 //             epilogue.
@@ -39,6 +41,7 @@
 // each R rows of 128 bytes, as TMA writes them.
 #pragma once
 
+#include "fagen/algo/cache_gather.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/score.cuh"
 #include "fagen/algo/online_softmax.cuh"
@@ -121,6 +124,7 @@ struct Forward {
                   "the next tile's first Q K^T goes out outside the ping-pong turns");
     static_assert(!Config::kPaged || (!Config::kVarlen && kBlockN % Config::kCacheBoxRows == 0),
                   "a paged K/V tile is whole runs of cache rows");
+    static_assert(!Config::kGathersKv || Config::kPaged, "the producer warpgroup gathers paged tiles only");
     static_assert(!kE4m3 || (kVtChunks == (kBlockN + 127) / 128 && kBlockN % 32 == 0 && !Config::kMmaRowSum &&
                                     !Config::kPaged && !Config::kVarlen),
                   "e4m3: V^T tiles are chunks of 128 keys, whole k-steps of 32; the softmax sums P in fp32");
@@ -200,6 +204,69 @@ struct Forward {
             algo::tma_load_tile<kVChunks, kChunkColumns>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot), key_begin,
                                                          w.kv_head, batch);
         }
+    }
+
+    // Paged: whether the producer warpgroup gathers K/V (Config::kGathersKv): where TMA would
+    // copy runs of the smallest box (16 keys: pages of 16, or of a size that divides no tile).
+    // TMA's page-sized boxes measured faster from 32 keys on (hd128 prefill: 0.54-0.64x the
+    // varlen call at 32-key pages against 0.50-0.60x gathered; 2026-12-04); else load_kv.
+    static __device__ __forceinline__ bool gathers_kv(const FagenFwdParams& prm) {
+        return Config::kGathersKv && prm.block_table != nullptr &&
+               algo::cache_box_rows<kBlockN, Config::kCacheBoxRows>(prm) == Config::kCacheBoxRows;
+    }
+
+    // gathers_kv: K and V of the j-th visited key block into ring position `ring`, copied by the
+    // producer warpgroup's 128 threads (`thread`) from the rows `rows` holds (the block's page
+    // lookups), k_full and v_full counting 128 arrivals; a thread arrives once its copies
+    // completed and were fenced for wgmma's (async-proxy) reads. Two latencies stay off each
+    // block's path, as TMA keeps them off the dense kernels': V of position `ring` stays in
+    // flight under the next position's K (the next call completes it after issuing that K,
+    // finish_gathered_v the last one), and the next block's lookups go out into `rows` before
+    // the wait for V's slot. Copied, completed and looked up one position at a time, the
+    // prefill over 16-key pages ran at 0.33x the varlen call, with V in flight at 0.47-0.55x
+    // (2026-12-04).
+    //
+    // No wait below can stall on the V still in flight: k_empty of position `ring` is the
+    // release of K `kStages` (>= 2) positions back, which the consumers give after that block's
+    // Q K^T, before they need any later V; v_empty is waited for with nothing in flight.
+    static constexpr int kProducerThreads = 128;  // the producer warpgroup
+    using GatherRows = algo::GatherRows<kBlockN, kProducerThreads>;
+
+    static __device__ __forceinline__ GatherRows gather_rows(const FagenFwdParams& prm, const Work& w, int j,
+                                                             int thread) {
+        return GatherRows::of(prm, w.batch, w.n_block(j) * kBlockN, w.seq().seqlen_k(prm), thread);
+    }
+
+    static __device__ __forceinline__ void gather_kv(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                                     int j, int ring, int thread, GatherRows& rows) {
+        static_assert(kStages >= 2);
+        const int slot = algo::ring_slot<kStages>(ring);
+        const uint32_t empty_parity = algo::ring_parity<kStages>(ring) ^ 1;
+        const Element* k = static_cast<const Element*>(prm.k) + w.kv_head * prm.k_head_stride;
+        const Element* v = static_cast<const Element*>(prm.v) + w.kv_head * prm.v_head_stride;
+        ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
+        algo::gather_cache_tile<kChunks, kBlockN, kProducerThreads>(prm, s.k_tile(slot), k, prm.k_batch_stride,
+                                                                    prm.k_row_stride, rows, thread);
+        if (ring > 0) {
+            ptx::cp_async_wait_group<1>();  // the previous position's V; this K runs on
+            ptx::fence_proxy_async_shared_cta();
+            ptx::mbarrier_arrive(s.v_full(algo::ring_slot<kStages>(ring - 1)));
+        }
+        ptx::cp_async_wait_group<0>();
+        ptx::fence_proxy_async_shared_cta();
+        ptx::mbarrier_arrive(s.k_full(slot));
+        const GatherRows current = rows;
+        if (j + 1 < w.n_blocks) rows = gather_rows(prm, w, j + 1, thread);
+        ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
+        algo::gather_cache_tile<kVChunks, kBlockN, kProducerThreads>(prm, s.v_tile(slot), v, prm.v_batch_stride,
+                                                                     prm.v_row_stride, current, thread);
+    }
+
+    // The V gather_kv left in flight at ring position `ring` (the last one).
+    static __device__ __forceinline__ void finish_gathered_v(const Smem& s, int ring) {
+        ptx::cp_async_wait_group<0>();
+        ptx::fence_proxy_async_shared_cta();
+        ptx::mbarrier_arrive(s.v_full(algo::ring_slot<kStages>(ring)));
     }
 
     // e4m3: the companion (<name>_vt) that writes the call's V^T before the forward runs.
@@ -380,7 +447,7 @@ struct Forward {
         release_k(0);
         scores(0, BoolConstant<true>{});
         ptx::mbarrier_wait_parity(s.v_full(slot_of(0)), parity_of(0));
-        if constexpr (Config::kPaged) clear_cache_rows_past_keys(prm, s, w, slot_of(0), consumer, thread);
+        if (Config::kPaged && !gathers_kv(prm)) clear_cache_rows_past_keys(prm, s, w, slot_of(0), consumer, thread);
         convert_p(acc_s[0], p);
         auto iteration = [&](int j, auto may_need_mask) {
             __syncwarp();  // see the one before the first Q K^T
@@ -440,10 +507,11 @@ struct Forward {
         store_output(prm, w, acc_o[0], row_lse, warp_row, lane);
     }
 
-    // Paged: a cache's rows past a batch row's keys hold whatever was written there before, not
-    // the zeros TMA gives past a dense tensor's end, and a masked P of 0 times a NaN there is NaN
-    // in O. Each consumer zeroes those rows of the V tile of the row's last key block (the first
-    // one visited; the others are whole) before its P V reads it; both write the same zeros.
+    // Paged, TMA: a cache's rows past a batch row's keys hold whatever was written there before,
+    // not the zeros TMA gives past a dense tensor's end (a gather writes zeros there), and a
+    // masked P of 0 times a NaN there is NaN in O. Each consumer zeroes those rows of the V tile
+    // of the row's last key block (the first one visited; the others are whole) before its P V
+    // reads it; both write the same zeros.
     static __device__ __forceinline__ void clear_cache_rows_past_keys(const FagenFwdParams& prm, const Smem& s,
                                                                       const Work& w, int slot, int consumer,
                                                                       int thread) {
@@ -548,16 +616,24 @@ struct Forward {
         return Scheduler::for_params(prm, kBlockM);
     }
 
-    static __device__ void produce(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+    // `thread`: 0, or with gathers_kv each of the producer warpgroup's.
+    static __device__ void produce(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem, int thread) {
         const Smem s = smem_layout(smem);
         const Scheduler sched = scheduler(prm);
+        const bool gather = gathers_kv(prm);
         int ring = 0, tile_count = 0;
         for (int index = sched.first(); index < sched.end(); index = sched.next(index)) {
             const Work w = work_for(prm, sched, index);
             if (w.n_blocks <= 0) continue;
-            load_q(maps, s, w, tile_count++);
-            for (int j = 0; j < w.n_blocks; ++j) load_kv(prm, maps, s, w, j, ring++);
+            if (thread == 0) load_q(maps, s, w, tile_count++);  // Q is thread 0's alone
+            if (gather) {
+                GatherRows rows = gather_rows(prm, w, 0, thread);
+                for (int j = 0; j < w.n_blocks; ++j) gather_kv(prm, s, w, j, ring++, thread, rows);
+            } else {
+                for (int j = 0; j < w.n_blocks; ++j) load_kv(prm, maps, s, w, j, ring++);
+            }
         }
+        if (gather && ring > 0) finish_gathered_v(s, ring - 1);
     }
 
     // `value` (the same in every lane) as a value ptxas knows to be warp-uniform: a broadcast
@@ -686,9 +762,10 @@ struct Forward {
                 ptx::mbarrier_init(s.q_full(q), 1);
                 ptx::mbarrier_init(s.q_empty(q), kConsumerThreads);
             }
+            const int kv_arrivals = gathers_kv(prm) ? kProducerThreads : 1;  // gather_kv's, or TMA's expect_tx
             for (int st = 0; st < kStages; ++st) {
-                ptx::mbarrier_init(s.k_full(st), 1);
-                ptx::mbarrier_init(s.v_full(st), 1);
+                ptx::mbarrier_init(s.k_full(st), kv_arrivals);
+                ptx::mbarrier_init(s.v_full(st), kv_arrivals);
                 ptx::mbarrier_init(s.k_empty(st), kConsumerThreads);
                 ptx::mbarrier_init(s.v_empty(st), kConsumerThreads);
             }
@@ -699,7 +776,7 @@ struct Forward {
 
         if (threadIdx.x < 128) {
             ptx::setmaxnreg_dec<Config::kProducerRegisters>();
-            if (threadIdx.x == 0) produce(prm, maps, smem);
+            if (threadIdx.x == 0 || gathers_kv(prm)) produce(prm, maps, smem, Config::kGathersKv ? threadIdx.x : 0);
         } else {
             ptx::setmaxnreg_inc<Config::kConsumerRegisters>();
             consume_tiles(prm, smem, threadIdx.x / 128 - 1, threadIdx.x % 128);
