@@ -84,9 +84,12 @@ def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
 
 def bundle_argument(bundle) -> Optional[str]:
     """A call's `bundle=` as the custom ops carry it: a directory or packed file's path, a loaded
-    Bundle by its path (registered with get_bundle, which then returns it), or None."""
+    Bundle by its path (registered with get_bundle, which then returns it; under torch.compile,
+    whose graph cannot take get_bundle's lock, by its path alone: the compiled call opens it from
+    there unless an eager call registered it), or None."""
     if isinstance(bundle, Bundle):
-        get_bundle(bundle)
+        if not torch.compiler.is_compiling():
+            get_bundle(bundle)
         return str(bundle.path)
     return None if bundle is None else os.fspath(bundle)
 
