@@ -123,6 +123,25 @@ def test_torch_compile_traces_one_graph_with_the_op():
     assert "torch.ops.fagen.flash_attn_fwd.default" in graphs[0].code
 
 
+def test_torch_compile_takes_a_loaded_bundle(tmp_path):
+    """bundle= a loaded Bundle inside a fullgraph compile: its registration's lock is not traced
+    (that was a graph break); the op carries its path."""
+    loaded = get_bundle(write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY)]))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=capture)
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, bundle=loaded)
+
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        attention(*_qkv())
+    assert len(graphs) == 1 and str(loaded.path) in graphs[0].code
+
+
 def test_bundle_lookup_order_and_cache(tmp_path, monkeypatch):
     explicit = write_bundle(tmp_path / "explicit", [kernel_entry("sm90", KEY)])
     from_env = write_bundle(tmp_path / "env", [kernel_entry("sm90", KEY)])
