@@ -24,3 +24,18 @@ def write_rows(path: str, rows: list[dict]) -> None:
 
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+def flash_attn_4():
+    """flash-attn-4's flash_attn_func returning the output alone (some versions return (out,
+    lse)), or None where it is not importable (../shared/BENCHMARKS.md says how to install it)."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
+        return None
+
+    def output_of(*args, **kwargs):
+        out = fa4(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    return output_of

@@ -7,7 +7,13 @@ causal), median time of triton.testing.do_bench(warmup=25, rep=100).
     python -m bench.attention [--seqlens 512,1024,...] [--head-dims 64,128,256]
                               [--causal both|yes|no] [--json PATH] [--png PATH] [--bundle DIR]
                               [--baseline DIR | --deterministic-baseline] [--repeats N]
-                              [--direction fwd|bwd|fwdbwd] [--lineage]
+                              [--direction fwd|bwd|fwdbwd] [--heads 32:8,64:8] [--tokens N]
+                              [--lineage]
+
+--heads times grouped-query rows (query heads : KV heads) instead of the protocol's MHA rows of
+hidden 2048; --tokens sets the tokens per row (batch = tokens // seqlen, at least 1: --tokens 1
+with long seqlens gives batch-1 prefill rows). flash-attn-4 (its CuTe DSL flash_attn_func) is a
+peer in every row where it is importable (../shared/BENCHMARKS.md says how to install it).
 
 --baseline times a second bundle's kernels in the same rows (column "base"): a before/after
 comparison of a kernel change within one run, since absolute numbers drift between runs.
@@ -34,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fagen
-from bench import cuda_missing
+from bench import cuda_missing, flash_attn_4
 from fagen.torch import KernelNotFound, flash_attn_func, get_bundle
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -91,7 +97,8 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
 
 def sdpa(q, k, v, causal):
     # SDPA takes (batch, heads, seq, dim); these are views of the flash-attn layout.
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                          enable_gqa=q.shape[2] != k.shape[2])
 
 
 # FLOPs of each direction in units of the forward's (shared/BENCHMARKS.md: backward 2.5x).
@@ -112,17 +119,22 @@ def _timed(direction: str, attention, q, k, v, dout, backend):
 
 
 def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=None, repeats: int = 1,
-                  direction: str = "fwd", deterministic_baseline: bool = False) -> dict:
-    batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // head_dim
+                  direction: str = "fwd", deterministic_baseline: bool = False,
+                  heads: tuple[int, int] | None = None, tokens: int = TOTAL_TOKENS, fa4=None) -> dict:
+    """One row: `heads` (query, KV) heads, or the protocol's MHA heads of hidden 2048; `fa4`:
+    flash-attn-4's function (bench.flash_attn_4) or None."""
+    batch = max(1, tokens // seqlen)
+    heads_q, heads_kv = heads or (HIDDEN // head_dim, HIDDEN // head_dim)
     q, k, v = (
-        torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+        torch.randn(batch, seqlen, h, head_dim, device="cuda", dtype=torch.bfloat16,
                     requires_grad=direction != "fwd")
-        for _ in range(3)
+        for h in (heads_q, heads_kv, heads_kv)
     )
     dout = torch.randn_like(q)
-    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal) * DIRECTION_FLOPS[direction]
-    row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "nheads": heads,
-           "direction": direction, "tflops": {}, "ms": {}, "samples_ms": {}, "errors": {}}
+    flops = attention_flops(batch, heads_q, seqlen, seqlen, head_dim, causal) * DIRECTION_FLOPS[direction]
+    row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "nheads": heads_q,
+           "nheads_kv": heads_kv, "direction": direction, "tflops": {}, "ms": {}, "samples_ms": {},
+           "errors": {}}
 
     reference = None
     try:
@@ -165,6 +177,13 @@ def measure_shape(head_dim: int, causal: bool, seqlen: int, bundle, baseline=Non
             contenders[name] = (_timed(direction, sdpa_attention, q, k, v, dout, backend), backend)
         except RuntimeError as exc:
             row["errors"][name] = str(exc).splitlines()[0]
+    if fa4 is not None:
+        try:
+            timed = _timed(direction, lambda q, k, v: fa4(q, k, v, causal=causal), q, k, v, dout, None)
+            timed()  # its first call per variant compiles (~10 s): before the timing
+            contenders["FA4"] = (timed, None)
+        except Exception as exc:  # the DSL's compile errors are of its own types
+            row["errors"]["FA4"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     def in_context(fn, backend):
         def timed():
             with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
@@ -213,22 +232,32 @@ def _range(bounds) -> str:
 def format_table(rows: list[dict]) -> str:
     with_base = any("base" in row["tflops"] for row in rows)
     with_range = any("ratio_cudnn_range" in row for row in rows)
-    header = (f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'fagen':>7} {'FA2':>7} {'cuDNN':>7} "
-              f"{'f/FA2':>6} {'f/cuDNN':>7} {'maxdiff':>8}" + (f" {'base':>7} {'f/base':>6}" if with_base else "")
+    with_fa4 = any("FA4" in row["tflops"] for row in rows)
+    with_heads = any(row.get("nheads_kv", row["nheads"]) != row["nheads"] or row["batch"] == 1 for row in rows)
+    header = ((f"{'heads':>6} {'batch':>5} " if with_heads else "")
+              + f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'fagen':>7} {'FA2':>7} {'cuDNN':>7} "
+              + (f"{'FA4':>7} " if with_fa4 else "")
+              + f"{'f/FA2':>6} {'f/cuDNN':>7} " + (f"{'f/FA4':>6} " if with_fa4 else "") + f"{'maxdiff':>8}"
+              + (f" {'base':>7} {'f/base':>6}" if with_base else "")
               + (f" {'f/cuDNN range':>13}" if with_range else ""))
     what = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward + backward"}[rows[0].get("direction", "fwd")] if rows else "forward"
-    lines = [f"{what} TFLOP/s (bf16, 16k tokens, hidden 2048)", header, "-" * len(header)]
+    tokens = sorted({row["batch"] * row["seqlen"] for row in rows})
+    lines = [f"{what} TFLOP/s (bf16, {'/'.join(map(str, tokens))} tokens a row)", header, "-" * len(header)]
     for row in rows:
         t = row["tflops"]
-        fagen_t, fa2, cudnn, base = t.get("fagen"), t.get("FA2"), t.get("cuDNN"), t.get("base")
+        fagen_t, fa2, cudnn, fa4, base = t.get("fagen"), t.get("FA2"), t.get("cuDNN"), t.get("FA4"), t.get("base")
         diff = row.get("max_abs_diff_vs_FA2")
         flag = " !" if diff is not None and diff > MAX_ABS_DIFF_FLAG else ""
+        heads = f"{row['nheads']}:{row.get('nheads_kv', row['nheads'])}"
         lines.append(
-            f"{row['head_dim']:>4} {'yes' if row['causal'] else 'no':>6} {row['seqlen']:>6} "
+            (f"{heads:>6} {row['batch']:>5} " if with_heads else "")
+            + f"{row['head_dim']:>4} {'yes' if row['causal'] else 'no':>6} {row['seqlen']:>6} "
             f"{_fmt(fagen_t)} {_fmt(fa2)} {_fmt(cudnn)} "
-            f"{_fmt(fagen_t / fa2 if fagen_t and fa2 else None, 6, 2)} "
+            + (f"{_fmt(fa4)} " if with_fa4 else "")
+            + f"{_fmt(fagen_t / fa2 if fagen_t and fa2 else None, 6, 2)} "
             f"{_fmt(fagen_t / cudnn if fagen_t and cudnn else None, 7, 2)} "
-            f"{_fmt(diff, 8, 4)}"
+            + (f"{_fmt(fagen_t / fa4 if fagen_t and fa4 else None, 6, 2)} " if with_fa4 else "")
+            + f"{_fmt(diff, 8, 4)}"
             + (f" {_fmt(base)} {_fmt(fagen_t / base if fagen_t and base else None, 6, 2)}" if with_base else "")
             + (f" {_range(row.get('ratio_cudnn_range')):>13}" if with_range else "")
             + flag
@@ -265,6 +294,15 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
+def _heads_list(text: str) -> list[tuple[int, int]]:
+    """"32:8,64:8" -> [(32, 8), (64, 8)]: query heads a multiple of the KV heads."""
+    pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] % pair[1]:
+            raise argparse.ArgumentTypeError(f"{pair}: query:KV heads, query heads a multiple of the KV heads")
+    return pairs
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1) for x in text.split(",")]
 
@@ -285,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", dest="table_path", default=None, help="also write the table here")
     parser.add_argument("--direction", choices=tuple(DIRECTION_FLOPS), default="fwd",
                         help="fwd, bwd (the backward of one kept forward; FLOPs 2.5x) or fwdbwd")
+    parser.add_argument("--heads", type=_heads_list, default=None,
+                        help="grouped-query rows, query:KV heads, e.g. 32:8,28:4,64:8 (default: MHA, hidden 2048)")
+    parser.add_argument("--tokens", type=int, default=TOTAL_TOKENS,
+                        help="tokens per row: batch = tokens // seqlen, at least 1")
     parser.add_argument("--lineage", action="store_true",
                         help="FA1 -> FA2 -> FA3 of one bundle (default: generated/lineage, built "
                         "from specs/lineage.yaml) instead of fagen against the peers "
@@ -306,15 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     bundle = get_bundle(args.bundle)
     baseline = get_bundle(args.baseline) if args.baseline else None
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    fa4 = flash_attn_4()
+    if fa4 is None:
+        print("flash-attn-4 not importable: no FA4 column", file=sys.stderr)
     rows = []
-    for head_dim in args.head_dims:
-        for causal in causal_values:
-            for seqlen in args.seqlens:
-                row = measure_shape(head_dim, causal, seqlen, bundle, baseline, args.repeats,
-                                    args.direction, args.deterministic_baseline)
-                rows.append(row)
-                print(f"measured hd{head_dim} {'causal' if causal else 'full'} s{seqlen}: "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()), flush=True)
+    for heads in args.heads or [None]:
+        for head_dim in args.head_dims:
+            for causal in causal_values:
+                for seqlen in args.seqlens:
+                    row = measure_shape(head_dim, causal, seqlen, bundle, baseline, args.repeats, args.direction,
+                                        args.deterministic_baseline, heads, args.tokens, fa4)
+                    rows.append(row)
+                    print(f"measured {row['nheads']}:{row['nheads_kv']} hd{head_dim} "
+                          f"{'causal' if causal else 'full'} s{seqlen}: "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()), flush=True)
 
     table = format_table(rows)
     if args.json_path:

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from bench import cuda_missing, write_rows
+from bench import cuda_missing, flash_attn_4, write_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.attention import HIDDEN, TOTAL_TOKENS, _int_list, median_ms, rotating_samples, tflops
@@ -48,15 +48,6 @@ SPLIT_HEAD_DIM_V = 128
 def pair_flops(direction: str, head_dim: int, head_dim_v: int) -> float:
     """FLOPs per visible (query, key) pair (the module's docstring)."""
     return 2.0 * (head_dim + head_dim_v) if direction == "fwd" else 6.0 * head_dim + 4.0 * head_dim_v
-
-
-def flash_attn_4():
-    """flash-attn-4's flash_attn_func, or None where it is not importable."""
-    try:
-        from flash_attn.cute.interface import flash_attn_func as fa4
-    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
-        return None
-    return fa4
 
 
 def options_of(variant: str, heads: int) -> dict:
@@ -110,8 +101,7 @@ def measure(variant: str, head_dim: int, window: int | None, seqlen: int, bundle
         fa4_mask = {"causal": True} if window is None else {"causal": True, "window_size": (window, 0)}
         try:
             def theirs_of(q, k, v):
-                out = fa4(q, k, v, **fa4_mask, **options)
-                return out[0] if isinstance(out, tuple) else out  # (out, lse) in some versions
+                return fa4(q, k, v, **fa4_mask, **options)
 
             contenders["FA4"] = timed(direction, theirs_of, q, k, v, dout)
             with torch.no_grad():
