@@ -43,6 +43,8 @@ class SpecFile(BaseModel):
         "kernel with that mask compiled in (kind custom; FA2 forward and backward, FA3 forward)")
     kernels: list[dict[str, Any]] = Field(description="the kernel entries (below); a field given as a "
                                           "list expands to one kernel per value")
+    include: list[str] = Field([], description="other spec files (paths relative to this one) whose "
+                               "kernels join this bundle, e.g. the default bundle's Blackwell kernels")
 
     @field_validator("bundle")
     @classmethod
@@ -132,10 +134,10 @@ def _mask_sources(spec_file: SpecFile, base_dir: Path | None) -> dict[str, dict]
     return masks
 
 
-def expand(data: dict[str, Any], base_dir: Path | None = None) -> Expansion:
-    """Validate a parsed spec file and expand it into kernel specs (duplicates dropped);
-    `base_dir`: where the file's relative paths (mask headers) start (default: the current
-    directory)."""
+def expand(data: dict[str, Any], base_dir: Path | None = None, _including: tuple[Path, ...] = ()) -> Expansion:
+    """Validate a parsed spec file and expand it into kernel specs (duplicates dropped), with
+    its included files' kernels; `base_dir`: where the file's relative paths (mask headers,
+    includes) start (default: the current directory)."""
     try:
         spec_file = SpecFile.model_validate(data)
     except ValidationError as exc:
@@ -144,6 +146,13 @@ def expand(data: dict[str, Any], base_dir: Path | None = None) -> Expansion:
     masks = _mask_sources(spec_file, base_dir)
     for index, entry in enumerate(spec_file.kernels):
         expand_entry(index, entry, out, masks)
+    for name in spec_file.include:
+        path = ((base_dir or Path.cwd()) / name).resolve()
+        if path in _including:
+            raise SpecError(f"include: {name} includes itself (through {' -> '.join(p.name for p in _including)})")
+        included = load_spec_file(path, _including)
+        out.specs.extend(included.specs)
+        out.skipped.extend(included.skipped)
     unique: dict[str, KernelSpec] = {}
     for spec in out.specs:
         unique.setdefault(spec.name, spec)
@@ -168,7 +177,8 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     return text
 
 
-def load_spec_file(path: str | Path) -> Expansion:
+def load_spec_file(path: str | Path, _including: tuple[Path, ...] = ()) -> Expansion:
+    """The spec file at `path`, expanded (`_including`: the files whose include led here)."""
     path = Path(path)
     if path.is_dir():
         yamls = sorted(p.name for p in path.glob("*.y*ml"))
@@ -187,6 +197,6 @@ def load_spec_file(path: str | Path) -> Expansion:
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with 'bundle' and 'kernels'")
     try:
-        return expand(data, path.parent)
+        return expand(data, path.parent, (*_including, path.resolve()))
     except SpecError as exc:
         raise SpecError(f"{path}: {exc}") from None

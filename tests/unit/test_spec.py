@@ -229,6 +229,27 @@ def test_unknown_top_level_key_and_bad_bundle_name_are_errors():
         expand({"bundle": "../escape", "kernels": []})
 
 
+def test_included_spec_files_join_the_bundle(tmp_path):
+    entry = {"fa_version": 2, "arch": "sm80", "dtype": "fp16", "head_dim": 64}
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "extra.yaml").write_text(yaml.safe_dump(
+        {"bundle": "extra", "kernels": [{**entry, "head_dim": 128}, entry]}))
+    (tmp_path / "main.yaml").write_text(yaml.safe_dump(
+        {"bundle": "main", "include": ["more/extra.yaml"], "kernels": [entry]}))
+    expansion = load_spec_file(tmp_path / "main.yaml")
+    assert expansion.bundle == "main"
+    assert sorted(s.head_dim for s in expansion.specs) == [64, 128]  # the shared entry once
+
+
+def test_a_spec_file_that_includes_itself_is_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"bundle": "a", "include": ["b.yaml"], "kernels": []}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"bundle": "b", "include": ["a.yaml"], "kernels": []}))
+    with pytest.raises(SpecError, match="a.yaml includes itself"):
+        load_spec_file(tmp_path / "a.yaml")
+    with pytest.raises(SpecError, match="no such spec file"):
+        expand({"bundle": "c", "include": ["absent.yaml"], "kernels": []}, tmp_path)
+
+
 def test_missing_spec_file_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="no such spec file"):
         load_spec_file(tmp_path / "absent.yaml")
