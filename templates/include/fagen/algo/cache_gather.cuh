@@ -1,10 +1,10 @@
-// A K or V tile of a paged-layout batch row gathered row by row with cp.async, for pages that
-// hold no whole tile (FA3's Config::kPaged; fagen/contract.py: cache_box_rows). TMA there copies
-// one box per page run: at 16-key pages eight boxes and eight block-table lookups a 128-key tile,
-// and the prefill ran at 0.38-0.44x the varlen call on the same keys (2026-12-04). Here the
-// producer warpgroup's 128 threads copy the tile together, eight threads per 128-byte row chunk
-// (a warp's copy is four whole rows of a chunk: whole 128-byte lines), each looking up the pages
-// of its own rows once for K and V.
+// A K or V tile of a paged-layout batch row gathered row by row with cp.async, where TMA would
+// copy it in 16-key boxes (FA3's Config::kGathersKv; fagen/contract.py: cache_box_rows): at
+// 16-key pages eight boxes and eight block-table lookups a 128-key tile, and the prefill ran at
+// 0.38-0.44x the varlen call on the same keys (2026-12-04). Here the producer warpgroup's 128
+// threads copy the tile together, eight threads per 128-byte row chunk (a warp's copy is four
+// whole rows of a chunk: whole 128-byte lines), each looking up the pages of its own rows once
+// for K and V.
 #pragma once
 #include "fagen/algo/kv_cache.cuh"
 #include "fagen/params.h"
