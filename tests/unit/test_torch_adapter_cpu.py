@@ -106,19 +106,22 @@ def test_fake_impl_shapes():
     assert lse.shape == (2, 8, 5) and lse.dtype == torch.float32
 
 
-def test_torch_compile_traces_one_graph_with_the_op():
+def _compiled_graphs(attention) -> list:
+    """The graphs a fullgraph torch.compile of `attention` traces on CPU inputs (whose run the
+    adapter then refuses: no CUDA tensors)."""
     graphs = []
 
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    @torch.compile(fullgraph=True, backend=capture)
-    def attention(q, k, v):
-        return flash_attn_func(q, k, v, causal=True, softmax_scale=0.5) * 2
-
     with pytest.raises(ValueError, match="CUDA tensors"):  # traced fine; the CPU run is refused
-        attention(*_qkv())
+        torch.compile(attention, fullgraph=True, backend=capture)(*_qkv())
+    return graphs
+
+
+def test_torch_compile_traces_one_graph_with_the_op():
+    graphs = _compiled_graphs(lambda q, k, v: flash_attn_func(q, k, v, causal=True, softmax_scale=0.5) * 2)
     assert len(graphs) == 1
     assert "torch.ops.fagen.flash_attn_fwd.default" in graphs[0].code
 
@@ -127,18 +130,7 @@ def test_torch_compile_takes_a_loaded_bundle(tmp_path):
     """bundle= a loaded Bundle inside a fullgraph compile: its registration's lock is not traced
     (that was a graph break); the op carries its path."""
     loaded = get_bundle(write_bundle(tmp_path / "b", [kernel_entry("sm90", KEY)]))
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=capture)
-    def attention(q, k, v):
-        return flash_attn_func(q, k, v, causal=True, bundle=loaded)
-
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        attention(*_qkv())
+    graphs = _compiled_graphs(lambda q, k, v: flash_attn_func(q, k, v, causal=True, bundle=loaded))
     assert len(graphs) == 1 and str(loaded.path) in graphs[0].code
 
 
