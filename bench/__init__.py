@@ -26,12 +26,21 @@ def write_rows(path: str, rows: list[dict]) -> None:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
+def flash_attn_4_function(name: str):
+    """flash-attn-4's `name` (flash_attn.cute.interface: flash_attn_func, flash_attn_varlen_func),
+    or None where it is not importable (../shared/BENCHMARKS.md says how to install it)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
+        return None
+    return getattr(interface, name, None)
+
+
 def flash_attn_4():
     """flash-attn-4's flash_attn_func returning the output alone (some versions return (out,
-    lse)), or None where it is not importable (../shared/BENCHMARKS.md says how to install it)."""
-    try:
-        from flash_attn.cute.interface import flash_attn_func as fa4
-    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
+    lse)), or None where it is not importable."""
+    fa4 = flash_attn_4_function("flash_attn_func")
+    if fa4 is None:
         return None
 
     def output_of(*args, **kwargs):

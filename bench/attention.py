@@ -295,7 +295,7 @@ def plot(rows: list[dict], path: str) -> bool:
 
 
 def _heads_list(text: str) -> list[tuple[int, int]]:
-    """"32:8,64:8" -> [(32, 8), (64, 8)]: query heads a multiple of the KV heads."""
+    """'32:8,64:8' -> [(32, 8), (64, 8)]: query heads a multiple of the KV heads."""
     pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
     for pair in pairs:
         if len(pair) != 2 or pair[0] % pair[1]:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench import flash_attn_4_function
 from bench.attention import median_ms, rotating_samples, timer_name
 from fagen import contract
 from fagen.runtime import call, kvcache, runs_on
@@ -41,15 +42,6 @@ from fagen.torch.adapter import _current_stream
 
 ROWS = ((1, 65536), (16, 65536), (64, 1024), (64, 4096), (64, 16384), (128, 4096))
 PEERS = {"FA2": SDPBackend.FLASH_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
-
-
-def flash_attn_4_varlen():
-    """flash-attn-4's flash_attn_varlen_func, or None where it is not importable."""
-    try:
-        from flash_attn.cute.interface import flash_attn_varlen_func
-    except Exception:  # an import of the CuTe DSL fails in many ways where it is not installed
-        return None
-    return flash_attn_varlen_func
 
 
 def graphed(fn):
@@ -87,7 +79,7 @@ def measure(batch, seqlen_k, heads_q, heads_kv, head_dim, page_sizes, bundle, re
             "last", flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
                                             causal=True, bundle=bundle, **descales))
 
-    fa4 = flash_attn_4_varlen()
+    fa4 = flash_attn_4_function("flash_attn_varlen_func")
 
     def fa4_call(k_cache, v_cache, table):
         def call():

@@ -355,8 +355,9 @@ BWD_ROW_THREADS = 128
 # its B operand K-major only, so P V reads V^T: the companion (<name>_vt) writes the call's V as
 # V^T into the workspace (templates/include/fagen/algo/v_transpose.cuh: (batch, heads_kv,
 # head_dim_v, vt_keys(seqlen_k)), keys permuted within each 16), on grid vt_grid with
-# vt_threads(head_dim_v) threads (one per 16 keys by 16 columns), no dynamic shared memory; the forward's V map (FagenTmaMaps.v) is
-# over that V^T: (vt_keys, head_dim_v, heads_kv, batch), boxes of 128 keys by head_dim_v rows.
+# vt_threads(head_dim_v) threads (one per 16 keys by 16 columns), no dynamic shared memory; the
+# forward's V map (FagenTmaMaps.v) is over that V^T: (vt_keys, head_dim_v, heads_kv, batch),
+# boxes of 128 keys by head_dim_v rows.
 E4M3_VT_SUFFIX = "_vt"
 VT_KEY_GROUP = 16  # keys permuted together; a V^T row is whole groups (16 bytes)
 VT_KEYS_PER_CTA = 128
