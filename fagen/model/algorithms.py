@@ -17,10 +17,11 @@ from .fa2_split_kv import Fa2SplitKvSpec
 from .fa3 import Fa3ForwardSpec
 from .fa3_bwd import Fa3BackwardSpec
 from .fa4 import Fa4ForwardSpec
+from .fa4_bwd import Fa4BackwardSpec
 
 SPEC_CLASSES: tuple[type[KernelSpec], ...] = (
     Fa1ForwardSpec, Fa2ForwardSpec, Fa3ForwardSpec, Fa4ForwardSpec, Fa2BackwardSpec,
-    Fa3BackwardSpec, Fa2SplitKvSpec)
+    Fa3BackwardSpec, Fa4BackwardSpec, Fa2SplitKvSpec)
 ALGORITHMS: dict[tuple[int, str, str], type[KernelSpec]] = {
     (c.FA_VERSION, c.DIRECTION, layout): c for c in SPEC_CLASSES for layout in c.LAYOUTS}
 _DENSE = contract.LAYOUTS[0]

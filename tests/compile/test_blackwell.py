@@ -79,20 +79,32 @@ def test_fa2_sm100a_backward_compiles_without_local_memory(blackwell_spec, tmp_p
 
 def test_covers_head_dims_masks_and_dtypes(blackwell):
     expansion, report = blackwell
-    keys = {(e.spec["head_dim"], e.spec["causal"], e.spec["dtype"]) for e in report.manifest.kernels}
+    forwards = [e for e in report.manifest.kernels if e.spec["direction"] == "fwd"]
+    keys = {(e.spec["head_dim"], e.spec["causal"], e.spec["dtype"]) for e in forwards}
     assert {(d, c, "bf16") for d in (64, 128) for c in (False, True)} <= keys
     assert all(e.fa_version == 4 and e.arch == "sm100a" for e in report.manifest.kernels)
-    variants = {(e.spec["head_dim"], tuple(e.spec.get("score", ()))) for e in report.manifest.kernels}
+    variants = {(e.spec["head_dim"], tuple(e.spec.get("score", ()))) for e in forwards}
     assert {(128, ("softcap",)), (128, ("alibi",)), (64, ("sinks",))} <= variants
+
+
+def test_backward_covers_head_dims_masks_and_dtypes(blackwell):
+    """The FA4 backward: head dims 64 and 128, fp16 and bf16, every built-in mask, ALiBi and sinks."""
+    expansion, _ = blackwell
+    backward = [s for s in expansion.specs if s.direction == "bwd"]
+    have = {(s.dtype, s.head_dim, s.mask, s.score) for s in backward}
+    assert {(t, d, m, ()) for t in ("bf16", "fp16") for d in (64, 128) for m in ("full", "causal", "local")} <= have
+    assert {("bf16", 128, "causal", ("alibi",)), ("bf16", 64, "causal", ("sinks",))} <= have
 
 
 def test_sass_has_tcgen05_and_tma_and_no_local_memory(blackwell):
     _, report = blackwell
     for entry in report.manifest.kernels:
-        required = algorithm_for(4, "fwd").REQUIRED_SASS
+        required = algorithm_for(4, entry.spec["direction"]).REQUIRED_SASS
         assert {"UTCHMMA", "LDTM", "STTM", "UTCBAR", "UTMALDG", "USETMAXREG"} <= set(entry.sass)
         assert set(required) <= set(entry.sass), entry.name
-        assert not {"LDL", "STL", "HGMMA", "HMMA"} & set(entry.sass), entry.name
+        # A backward's cubin holds its preprocess, whose D = rowsum(dO * O) is mma.sync (HMMA).
+        forbidden = {"LDL", "STL", "HGMMA"} | ({"HMMA"} if entry.spec["direction"] == "fwd" else set())
+        assert not forbidden & set(entry.sass), entry.name
 
 
 def test_no_spills_and_limits(blackwell):

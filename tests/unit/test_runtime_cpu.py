@@ -113,6 +113,22 @@ def test_blackwell_devices_take_fa4_on_sm100_and_fa2_on_sm120(tmp_path):
         bundle.select(local, (10, 3))  # an sm100a cubin runs on 10.0 only
 
 
+def test_blackwell_spec_trains_with_fa4_backward_on_sm100(tmp_path):
+    """specs/blackwell.yaml's own kernels: a B200 takes FA4's backward where it was built (head
+    dims 64 and 128) and FA2's sm100a backward for head dim 256; an RTX 50-series the sm120 FA2
+    backward."""
+    from fagen import paths
+    from fagen.model import load_spec_file
+
+    specs = load_spec_file(paths.specs_dir() / "blackwell.yaml").specs
+    found = {(s.lookup_key, s.arch.value, s.fa_version) for s in specs if s.direction == "bwd"}
+    bundle = load(write_bundle(tmp_path / "b", [kernel_entry(arch, key, fa_version=v) for key, arch, v in sorted(found)]))
+    for key in ("bwd/bf16/hd128/causal", "bwd/fp16/hd64/local", "bwd/bf16/hd64/causal+sinks"):
+        assert (bundle.select(key, (10, 0)).arch, bundle.select(key, (10, 0)).fa_version) == ("sm100a", 4), key
+    assert (bundle.select("bwd/bf16/hd256/causal", (10, 0)).fa_version) == 2
+    assert (bundle.select("bwd/bf16/hd128/causal", (12, 0)).arch) == "sm120"
+
+
 def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):
     bundle = load(write_bundle(tmp_path / "b", [kernel_entry("sm80", KEY), kernel_entry("sm90", KEY)]))
     assert bundle.select(KEY, (9, 0)).arch == "sm90"

@@ -1,5 +1,5 @@
-// What both backward kernels (FA2, FA3) share about a key-block tile: its place in the launch
-// order and in the deterministic mode's dQ order, and the mask of its transposed scores.
+// What the backward kernels (FA2, FA3, FA4) share about a key-block tile: its place in the launch
+// order and in the deterministic mode's dQ order, its walk, and the mask of its transposed scores.
 //
 // Deterministic mode: the tiles of one query block add their part of dQ in a fixed order. Each
 // waits for the block's counter (one int per (batch, head_q, query block)) to reach its rank,
@@ -80,6 +80,47 @@ struct StepCursor {
             ++head;
         }
     }
+};
+
+// The walk of one backward tile: key block n_block of K/V head kv_head of batch row `batch`, over
+// the query blocks [i_begin, i_begin + i_count) (the mask's query_blocks: those with a row that
+// sees one of its keys; none for a key block past its batch row's keys) of each of the `group`
+// query heads its K/V head serves, heads outer. `Row` is the layout's batch row
+// (algo/batch_row.cuh); one tile per CTA, in the launch order of TileOrder.
+template <class Mask, class Row, int kBlockM, int kBlockN>
+struct BackwardWalk {
+    using Order = TileOrder<Mask, kBlockM, kBlockN>;
+
+    int n_block, kv_head, batch, group, i_begin, i_count;
+    Row seq;
+
+    static __device__ BackwardWalk of_cta(const FagenBwdParams& p) {
+        const int tile = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        BackwardWalk w;
+        const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+        const typename Order::Tile at = Order::at(p, tile, n_blocks, p.batch * p.heads_kv);
+        w.n_block = at.n_block;
+        w.kv_head = at.head_of_batch % p.heads_kv;
+        w.batch = at.head_of_batch / p.heads_kv;
+        w.group = p.heads_q / p.heads_kv;
+        w.seq = Row::of(p, w.batch);
+        const KeyBlocks queries = w.mask(p).query_blocks(w.key_begin(), kBlockN, kBlockM);
+        w.i_begin = queries.begin;
+        w.i_count = Row::kOwnLengths && w.key_begin() >= w.seq.seqlen_k(p) ? 0 : max(0, queries.count());
+        return w;
+    }
+
+    __device__ __forceinline__ int key_begin() const { return n_block * kBlockN; }
+    // The first entry of query head `head`'s rows in the workspace arrays (LSE, D).
+    __device__ __forceinline__ long long head_row0(const FagenBwdParams& p, int head) const {
+        return seq.row_array(p, batch, head);
+    }
+    __device__ __forceinline__ Mask mask(const FagenBwdParams& p) const {
+        return Mask::of(p, batch, seq.seqlen_q(p), seq.seqlen_k(p));
+    }
+    __device__ __forceinline__ int steps() const { return i_count * group; }
+    __device__ __forceinline__ int i_end() const { return i_begin + i_count; }
+    __device__ __forceinline__ StepCursor first_step() const { return {kv_head * group, i_begin}; }
 };
 
 // Zeroes the probabilities the mask hides in a warp's rows of a transposed score tile (rows are

@@ -35,6 +35,9 @@ __device__ __forceinline__ int used_keys(const FagenBwdParams&, int, int keys) {
 
 template <int kLayout, int kAccumRowAlign = 16>
 struct BatchRow {
+    // Whether a batch row has lengths of its own (varlen, paged), so that a tile the grid sized
+    // from the longest row may lie past its queries or keys.
+    static constexpr bool kOwnLengths = false;
     template <class Params>
     static __device__ __forceinline__ BatchRow of(const Params&, int) { return {}; }
 
@@ -69,6 +72,7 @@ struct BatchRow {
 
 template <int kAccumRowAlign>
 struct BatchRow<kVarlenRows, kAccumRowAlign> {
+    static constexpr bool kOwnLengths = true;
     int queries, keys, first_query, first_key;
 
     template <class Params>
@@ -105,6 +109,7 @@ struct BatchRow<kVarlenRows, kAccumRowAlign> {
 
 template <int kAccumRowAlign>
 struct BatchRow<kPagedRows, kAccumRowAlign> {
+    static constexpr bool kOwnLengths = true;
     int queries, keys, first_query, q_map_batch;
 
     static __device__ __forceinline__ BatchRow of(const FagenFwdParams& p, int batch) {

@@ -77,7 +77,10 @@ struct Backward {
                                     Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks,
                                     /*kFragmentTiles=*/false, Config::kVarlen>;
     using Row = typename Rows::Row;  // a tile's batch row (algo/batch_row.cuh)
-    using Order = algo::TileOrder<Mask, Config::kBlockM, Config::kBlockN>;
+    // The CTA's tile (key block, K/V head, batch) and its steps (query heads of the group, then
+    // query blocks), in the launch order of algo::TileOrder.
+    using Walk = algo::BackwardWalk<Mask, Row, Config::kBlockM, Config::kBlockN>;
+    using Order = typename Walk::Order;
 
     static constexpr int kHeadDim = Config::kHeadDim;
     static constexpr int kBlockM = Config::kBlockM;  // queries per step
@@ -181,42 +184,6 @@ struct Backward {
         __device__ uint32_t empty(int st) const { return kv_full() + 8 * (2 + Config::kDqBarriers + 2 * st); }
     };
 
-    // The walk of one CTA: key block `n_block` of K/V head `kv_head`, over the query blocks
-    // i_begin ... i_begin + i_count - 1 of each query head of the group (AttentionMask::
-    // query_blocks: those with a row that sees one of its keys).
-    // Varlen: its batch row's (`seq`), none for a key block past the row's keys.
-    struct Walk {
-        int n_block, kv_head, batch, group, i_begin, i_count;
-        Row seq;
-
-        __device__ int key_begin() const { return n_block * kBlockN; }
-        __device__ long long head_row0(const FagenBwdParams& p, int head) const {
-            return seq.row_array(p, batch, head);
-        }
-        __device__ Mask mask(const FagenBwdParams& p) const {
-            return Mask::of(p, batch, seq.seqlen_q(p), seq.seqlen_k(p));
-        }
-    };
-
-    // One tile (key block, K/V head, batch) per CTA, in the launch order of algo::TileOrder.
-    static __device__ int key_blocks(const FagenBwdParams& p) { return (p.seqlen_k + kBlockN - 1) / kBlockN; }
-    static __device__ int tile_of_cta() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
-
-    static __device__ Walk walk_of_tile(const FagenBwdParams& p, int tile) {
-        Walk w;
-        const int n_blocks = key_blocks(p);
-        const typename Order::Tile at = Order::at(p, tile, n_blocks, p.batch * p.heads_kv);
-        w.n_block = at.n_block;
-        w.kv_head = at.head_of_batch % p.heads_kv;
-        w.batch = at.head_of_batch / p.heads_kv;
-        w.group = p.heads_q / p.heads_kv;
-        w.seq = Row::of(p, w.batch);
-        const algo::KeyBlocks queries = w.mask(p).query_blocks(w.key_begin(), kBlockN, kBlockM);
-        w.i_begin = queries.begin;
-        w.i_count = Config::kVarlen && w.key_begin() >= w.seq.seqlen_k(p) ? 0 : max(0, queries.count());
-        return w;
-    }
-
     // ---------------------------------------------------------------- producer
     // The producer warpgroup's roles, each a loop over the CTA's steps (the query heads of the
     // group, then the query blocks): one thread issues the TMA loads (K and V once, Q and dO per
@@ -224,7 +191,7 @@ struct Backward {
     // doing all: that loop spilled at 40 registers.
     template <class Step>
     static __device__ __forceinline__ void for_each_step(const FagenBwdParams& p, Step&& step) {
-        const Walk w = walk_of_tile(p, tile_of_cta());
+        const Walk w = Walk::of_cta(p);
         step.tile(w);
         const int m_blocks = w.i_begin + w.i_count;
         int t = 0;  // ring position
@@ -546,7 +513,7 @@ struct Backward {
     static __device__ void consume_keys(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         const int warp = thread / 32, lane = thread % 32;
         const Descriptors desc = descriptors(s, consumer);
-        const Walk w = walk_of_tile(p, tile_of_cta());
+        const Walk w = Walk::of_cta(p);
         const Mask mask = w.mask(p);
         const int first_key = w.key_begin() + consumer * kConsumerKeys + warp * 16;  // this warp's
 
@@ -628,7 +595,7 @@ struct Backward {
 
         // The tile's walk again rather than kept across the loop: at head_dim 128, causal, the
         // kept copy spilled.
-        store_key_grads(p, s, walk_of_tile(p, tile_of_cta()), acc_dk, acc_dv, consumer, warp, lane, thread);
+        store_key_grads(p, s, Walk::of_cta(p), acc_dk, acc_dv, consumer, warp, lane, thread);
     }
 
     // acc (64 queries x this consumer's kDqColumns) = dS (read MN-major from dS^T buffer
@@ -665,7 +632,7 @@ struct Backward {
     static __device__ void consume_columns(const FagenBwdParams& p, const Smem& s, int consumer, int thread) {
         static_assert(kColumnSplit);
         const int warp = thread / 32, lane = thread % 32;
-        const Walk w = walk_of_tile(p, tile_of_cta());
+        const Walk w = Walk::of_cta(p);
         const Mask mask = w.mask(p);
         const int first_key = w.key_begin() + warp * 16;  // this warp's 16 keys
         const int own_query = consumer * kScoreQueries;   // this consumer's first query of a step
@@ -791,7 +758,7 @@ struct Backward {
             // and inf * 0 = NaN in dQ) runs the loop with it, every other tile the loop without:
             // with the mask's branch in every non-causal tile the backward ran at 0.91-0.97x at
             // head dims 64/128 (2026-12-01).
-            const Walk w = walk_of_tile(p, tile_of_cta());
+            const Walk w = Walk::of_cta(p);
             const bool may_mask = w.mask(p).tile_may_need_mask(w.key_begin(), kBlockN);
             const int consumer = threadIdx.x / 128 - 1, thread = threadIdx.x % 128;
             if constexpr (kColumnSplit) {

@@ -63,14 +63,15 @@ __device__ __forceinline__ unsigned long long tcgen05_smem_desc_swizzle128(uint3
 //   bits 10-12  B type                    0 fp16, 1 bf16 (always equal to A here)
 //   bit  13     negate A 0
 //   bit  14     negate B 0
-//   bit  15     transpose A 0             A is K-major (Q rows; P rows in TMEM)
+//   bit  15     transpose A               0 K-major (Q rows; P rows in TMEM), 1 MN-major (the
+//                                         backward's dS read from its dS^T tile)
 //   bit  16     transpose B               0 K-major (K of Q K^T), 1 MN-major (V of P V)
 //   bits 17-22  N >> 3                    columns of D
 //   bit  23     0                         reserved
 //   bits 24-28  M >> 4                    rows of D
 //   bit  29     0                         reserved
 //   bits 30-31  max shift 0               .ws variants only
-template <int kM, int kN, bool kBf16, bool kTransposeB>
+template <int kM, int kN, bool kBf16, bool kTransposeB, bool kTransposeA = false>
 struct Tcgen05F16InstructionDescriptor {
     static_assert(kM == 64 || kM == 128, "cta_group::1 kind::f16 has M = 64 or 128");
     static_assert(kN % (kM == 64 ? 8 : 16) == 0 && kN >= 16 && kN <= 256,
@@ -78,7 +79,7 @@ struct Tcgen05F16InstructionDescriptor {
     static constexpr uint32_t kDTypeF32 = 1;
     static constexpr uint32_t kInputType = kBf16 ? 1 : 0;
     static constexpr uint32_t value = (kDTypeF32 << 4) | (kInputType << 7) | (kInputType << 10) |
-                                      ((kTransposeB ? 1u : 0u) << 16) |
+                                      ((kTransposeA ? 1u : 0u) << 15) | ((kTransposeB ? 1u : 0u) << 16) |
                                       (static_cast<uint32_t>(kN >> 3) << 17) |
                                       (static_cast<uint32_t>(kM >> 4) << 24);
 };
