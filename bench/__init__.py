@@ -1,5 +1,5 @@
 """Benchmarks: `python -m bench.attention`, `python -m bench.cold_start`,
-`python -m bench.launch_overhead`."""
+`python -m bench.launch_overhead`, `python -m bench.host_model` (no GPU needed)."""
 
 from __future__ import annotations
 

@@ -38,17 +38,20 @@ MODEL_SIZES = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_att
                    attention_dropout=0.0, tie_word_embeddings=False)
 
 
-def host_us_per_call(fn, calls: int) -> float:
+def host_us_per_call(fn, calls: int, synchronize=torch.cuda.synchronize) -> float:
     """Median over 5 bursts of `calls` calls of the host time per call (no synchronization
-    inside a burst, so only the CPU side is timed while the GPU keeps up)."""
+    inside a burst, so only the CPU side is timed while the GPU keeps up); `synchronize`: None
+    where no device runs the calls (bench.host_model)."""
     samples = []
     for _ in range(5):
-        torch.cuda.synchronize()
+        if synchronize:
+            synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+        if synchronize:
+            synchronize()
     return sorted(samples)[len(samples) // 2]
 
 

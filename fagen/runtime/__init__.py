@@ -13,11 +13,12 @@ from .call import (
 from .driver import DriverError
 from .e4m3 import Descales
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid, load, runs_on
+from .prepared import BackwardPointers, PreparedBackward, prepare_backward
 
 __all__ = [
-    "AttentionError", "BackwardTensors", "Bundle", "BundleError", "Descales", "DriverError", "KernelEntry",
-    "KernelNotFound", "LoadedKernel", "PreparedAttention", "Problem", "ScaleError", "Score", "ScoreError",
-    "ScoreTensors", "Tensor",
+    "AttentionError", "BackwardPointers", "BackwardTensors", "Bundle", "BundleError", "Descales", "DriverError",
+    "KernelEntry", "KernelNotFound", "LoadedKernel", "PreparedAttention", "PreparedBackward", "Problem",
+    "ScaleError", "Score", "ScoreError", "ScoreTensors", "Tensor",
     "attention", "attention_backward",
-    "launch_grid", "load", "prepare", "runs_on",
+    "launch_grid", "load", "prepare", "prepare_backward", "runs_on",
 ]

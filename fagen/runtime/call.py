@@ -539,17 +539,11 @@ def _bwd_params(problem: Problem, t: BackwardTensors, layout: contract.BackwardW
     return params
 
 
-def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, *,
-                       workspace: int, semaphores: int = 0, softmax_scale: float | None = None,
-                       stream: int = 0, device: int = 0, entry: KernelEntry | None = None,
-                       score_tensors: ScoreTensors = ScoreTensors(), varlen: Varlen | None = None) -> None:
-    """dq, dk, dv of one attention: the three backward kernels (fagen/contract.py, "Backward
-    kernels") on `stream`, asynchronous. `workspace`: a device buffer of
-    backward_workspace(...).floats fp32; `semaphores`: 0, or a zeroed int32 buffer of
-    backward_workspace(...).semaphores for the deterministic mode (the same gradients, bit
-    for bit, on every run); `score_tensors`: the modifiers' arrays, and with sinks dsinks, which
-    the backward writes (deterministic in either mode); `varlen`: the packing of a varlen
-    problem. Raises like prepare()."""
+def _checked_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, deterministic: bool,
+                      softmax_scale: float | None, device: int, entry: KernelEntry | None,
+                      score_tensors: ScoreTensors, varlen: Varlen | None) -> tuple:
+    """The checks of a backward call; its kernel (select_backward(), unless `entry` names one),
+    the main kernel's grid, the preprocess's and dQ conversion's grid, and the kernel scale."""
     if problem.dtype == e4m3.E4M3:
         raise AttentionError(e4m3.call_problem("bwd", problem.layout, problem.score.mods, problem.mask_mod))
     check_problem(problem)
@@ -558,7 +552,7 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
         raise AttentionError("the backward needs seqlen_q, seqlen_k, heads and batch >= 1 (the "
                              "gradients of an empty attention are zeros, which the caller writes)")
     _check_score_tensors(problem, score_tensors, backward=True)
-    if problem.mask_mod is not None and semaphores:
+    if problem.mask_mod is not None and deterministic:
         raise AttentionError(f"mask_mod={problem.mask_mod!r}: the deterministic mode takes the built-in "
                              "masks only (its dQ order follows their key ranges)")
     scale = contract.kernel_score_scale(softmax_scale, problem.head_dim, problem.score.softcap)
@@ -575,16 +569,28 @@ def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensor
         tensor = getattr(tensors, name)
         _check_tensor(name, tensor if varlen is None else _map_tensor(tensor, 1),
                       tma and name in ("q", "k", "v", "dout"))
+    return entry, grid, rows, scale
+
+
+def attention_backward(bundle: Bundle, problem: Problem, tensors: BackwardTensors, *,
+                       workspace: int, semaphores: int = 0, softmax_scale: float | None = None,
+                       stream: int = 0, device: int = 0, entry: KernelEntry | None = None,
+                       score_tensors: ScoreTensors = ScoreTensors(), varlen: Varlen | None = None) -> None:
+    """dq, dk, dv of one attention: the three backward kernels (fagen/contract.py, "Backward
+    kernels") on `stream`, asynchronous. `workspace`: a device buffer of
+    backward_workspace(...).floats fp32; `semaphores`: 0, or a zeroed int32 buffer of
+    backward_workspace(...).semaphores for the deterministic mode (the same gradients, bit
+    for bit, on every run); `score_tensors`: the modifiers' arrays, and with sinks dsinks, which
+    the backward writes (deterministic in either mode); `varlen`: the packing of a varlen
+    problem. Raises like prepare(). fagen.runtime.prepared keeps all but the launch for calls
+    of the same shapes."""
+    entry, grid, rows, scale = _checked_backward(bundle, problem, tensors, bool(semaphores), softmax_scale, device,
+                                                 entry, score_tensors, varlen)
     if not workspace:
         raise AttentionError("the backward needs a workspace (backward_workspace(...).floats fp32)")
     layout = backward_workspace(entry, problem, None if varlen is None else varlen.total_q)
     params = _bwd_params(problem, tensors, layout, workspace, semaphores, scale, softmax_scale, score_tensors,
                          varlen)
-    extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum, varlen),) if tma else ()
-    kernel = bundle.kernel(entry)
+    extra = (bwd_tma_maps(problem, tensors, entry.launch, params.dq_accum, varlen),) if entry.launch.tma_q_rows else ()
     with driver.primary_context(device):
-        kernel.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows,
-                                 contract.BWD_ROW_THREADS, stream)
-        kernel.enqueue(params, grid, stream, device, extra)
-        kernel.enqueue_companion(contract.BWD_CONVERT_SUFFIX, params, rows,
-                                 contract.BWD_ROW_THREADS, stream)
+        bundle.kernel(entry).enqueue_backward(params, grid, rows, stream, device, extra)

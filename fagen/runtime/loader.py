@@ -237,6 +237,16 @@ class LoadedKernel:
                     suffix, driver.get_kernel(self._library, self.entry.name + suffix))
         driver.launch(kernel, grid, (threads, 1, 1), 0, stream, (params, *extra_params))
 
+    def enqueue_backward(self, params: ctypes.Structure, grid: tuple[int, int, int], rows: tuple[int, int, int],
+                         stream: int, device: int, extra_params: tuple = ()) -> None:
+        """A backward's three kernels in order on `stream` (fagen/contract.py, "Backward
+        kernels"): the preprocess over `rows`, this main kernel over `grid` with `extra_params`,
+        the dQ conversion over `rows`, all with the FagenBwdParams `params`; the caller made
+        the device's primary context current."""
+        self.enqueue_companion(contract.BWD_PREPROCESS_SUFFIX, params, rows, contract.BWD_ROW_THREADS, stream)
+        self.enqueue(params, grid, stream, device, extra_params)
+        self.enqueue_companion(contract.BWD_CONVERT_SUFFIX, params, rows, contract.BWD_ROW_THREADS, stream)
+
 
 class Bundle:
     """A bundle directory: its manifest, kernel selection, and lazily loaded kernels.

@@ -2,22 +2,47 @@
 implementation), the autograd of the forward op, and the autograd.Function of the eager path.
 
 The forward saves q, k, v, out and the LSE (no O(N^2) tensor); the backward recomputes the
-probabilities from them block by block (fagen.runtime.call.attention_backward). The LSE is not
+probabilities from them block by block (fagen.runtime.call.attention_backward), its launch
+prepared once per signature of the call (fagen.runtime.prepared). The LSE is not
 differentiable, as in flash-attn. A gradient that autograd does not need is not returned.
 """
 
 # No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from ..contract import ALIGNMENT_BYTES
 from ..runtime import call as runtime_call
 from ..runtime import driver
+from ..runtime.prepared import BackwardPointers, PreparedBackward, prepare_backward
 from .adapter import (
-    _check_device, _check_inputs, _check_mask_mod, _check_score_inputs, _current_stream, _flash_attn_fwd,
-    _kernel_ready, _problem, _score_arrays, _tensor, flash_attn_fwd, get_bundle,
+    _PREPARED_LAUNCHES_KEPT, _bundle_request, _check_device, _check_inputs, _check_mask_mod, _check_score_inputs,
+    _current_stream, _flash_attn_fwd, _kernel_strides, _problem, _score_arrays, _tensor, flash_attn_fwd,
+    get_bundle,
 )
+
+
+class _KeptBackward(NamedTuple):
+    """A prepared backward, and which of q, k, v, out, dout its calls copy to a layout the
+    kernels read (_kernel_ready's choice, which the signature decides)."""
+
+    launch: PreparedBackward
+    copies: tuple[bool, ...]
+
+
+# Prepared backwards of earlier calls, by everything their launches depend on but the addresses,
+# which each launch writes: a training step's backward of a signature seen before skips the
+# checks, the kernel choice and the parameter building (bench/host_model.py: 232 -> 65 us of this
+# function's host time per call on a 2-core CPU).
+_prepared_backwards: dict[tuple, _KeptBackward] = {}
+
+
+def _layout(t: Optional[torch.Tensor]) -> tuple:
+    """What the checks, the copies and the parameters read of a tensor: all but its address,
+    of which only the alignment."""
+    return () if t is None else (t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % ALIGNMENT_BYTES)
 
 
 def _flash_attn_bwd(
@@ -40,52 +65,73 @@ def _flash_attn_bwd(
     mask_args: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dL/dsink (fp32 (nheads,); empty without sinks)."""
-    _check_inputs(q, k, v)
-    _check_device(q, k, v)
-    _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
-    _check_mask_mod(q, mask_mod, mask_args, causal, (window_left, window_right))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dsink = torch.zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32, device=q.device)
-    problem = _problem(q, k, v, causal, (window_left, window_right), softcap, alibi_slopes is not None,
-                       learnable_sink is not None, mask_mod)
-    if problem.seqlen_k == 0 or dq.numel() == 0:
-        # No score depends on any input: every gradient is zero (the sink's too: with no key
-        # its probability is 1 and O = 0 whatever its value).
-        return dq.zero_(), dk.zero_(), dv.zero_(), dsink
+    inputs = (q, k, v, out, dout)
+    signature = (_bundle_request(bundle), causal, window_left, window_right, softcap, softmax_scale, deterministic,
+                 mask_mod, *map(_layout, (*inputs, alibi_slopes, learnable_sink, mask_args)))
+    kept = _prepared_backwards.get(signature)
+    if kept is None:  # checked once per signature: a later call of it passes the same checks
+        _check_inputs(q, k, v)
+        _check_device(q, k, v)
+        _check_score_inputs(q, softcap, alibi_slopes, learnable_sink)
+        _check_mask_mod(q, mask_mod, mask_args, causal, (window_left, window_right))
+        if k.shape[1] == 0 or q.numel() == 0:
+            # No score depends on any input: every gradient is zero (the sink's too: with no key
+            # its probability is 1 and O = 0 whatever its value).
+            dsink = torch.zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32, device=q.device)
+            return (*(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dsink)
+        kernels = get_bundle(bundle)
+        problem = _problem(q, k, v, causal, (window_left, window_right), softcap, alibi_slopes is not None,
+                           learnable_sink is not None, mask_mod)
+        entry = runtime_call.select_backward(kernels, problem, q.device.index)
+        # TMA kernels map q, k, v and dout, which must have no broadcast (stride 0) dimension.
+        tma = entry.launch.tma_q_rows > 0
+        copies = tuple(_kernel_strides(t, tma and name != "out") is None
+                       for name, t in zip(("q", "k", "v", "out", "dout"), inputs))
+    else:
+        copies = kept.copies
     device = q.device.index
-    kernels = get_bundle(bundle)
-    entry = runtime_call.select_backward(kernels, problem, device)
     with driver.primary_context(device):
-        q, k, v, out, dout = (_kernel_ready(t) for t in (q, k, v, out, dout))
+        q, k, v, out, dout = (t.clone(memory_format=torch.contiguous_format) if copy else t
+                              for t, copy in zip(inputs, copies))
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        dsink = q.new_zeros(0 if learnable_sink is None else q.shape[2], dtype=torch.float32)
         lse = lse.contiguous()
-        tensors = runtime_call.BackwardTensors(
-            q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
-            dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
-        enqueue_backward(kernels, entry, problem, tensors, dsink, alibi_slopes, learnable_sink, mask_args,
-                         softmax_scale, deterministic, device)
+        arrays, _copies = _backward_arrays(alibi_slopes, learnable_sink, mask_args, dsink)  # alive until enqueued
+        if kept is None:
+            tensors = runtime_call.BackwardTensors(
+                q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
+                dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
+            kept = _KeptBackward(prepare_backward(kernels, problem, tensors, deterministic=deterministic,
+                                                  softmax_scale=softmax_scale, device=device, entry=entry,
+                                                  score_tensors=arrays), copies)
+            if len(_prepared_backwards) >= _PREPARED_LAUNCHES_KEPT:
+                _prepared_backwards.clear()
+            _prepared_backwards[signature] = kept
+        pointers = BackwardPointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+                                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), lse.data_ptr())
+        enqueue_backward(kept.launch, pointers, arrays, q.device)
     return dq, dk, dv, dsink
 
 
-def enqueue_backward(kernels, entry, problem: runtime_call.Problem, tensors: runtime_call.BackwardTensors,
-                     dsink: torch.Tensor, alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
-                     mask_args: Optional[torch.Tensor], softmax_scale: Optional[float], deterministic: bool,
-                     device: int, varlen: Optional[runtime_call.Varlen] = None) -> None:
-    """The backward's kernels on torch's current stream (the device's primary context current):
-    its workspace (and the deterministic mode's zeroed semaphores) from torch's allocator, the
-    modifiers' arrays with dsink, for a dense or (with `varlen`) a varlen problem."""
-    sizes = runtime_call.backward_workspace(entry, problem, None if varlen is None else varlen.total_q)
-    workspace = torch.empty(sizes.floats, dtype=torch.float32, device=dsink.device)
-    semaphores = torch.zeros(sizes.semaphores, dtype=torch.int32, device=dsink.device) if deterministic else None
-    arrays, _copies = _score_arrays(alibi_slopes, learnable_sink, mask_args)  # alive until the launch is enqueued
+def _backward_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                     mask_args: Optional[torch.Tensor], dsink: torch.Tensor):
+    """_score_arrays with dsink, which the backward writes: the ScoreTensors, and the arrays to
+    keep alive until the launch is enqueued."""
+    arrays, copies = _score_arrays(alibi_slopes, learnable_sink, mask_args)
     if learnable_sink is not None:
         arrays = dataclasses.replace(arrays, dsinks=dsink.data_ptr())
-    runtime_call.attention_backward(
-        kernels, problem, tensors, workspace=workspace.data_ptr(),
-        semaphores=0 if semaphores is None else semaphores.data_ptr(),
-        softmax_scale=softmax_scale, stream=_current_stream(device), device=device,
-        entry=entry, score_tensors=arrays, varlen=varlen)
+    return arrays, copies
+
+
+def enqueue_backward(prepared: PreparedBackward, pointers: BackwardPointers, arrays: runtime_call.ScoreTensors,
+                     device: torch.device, varlen: Optional[runtime_call.Varlen] = None) -> None:
+    """A prepared backward on torch's current stream (the device's primary context current),
+    its workspace (and the deterministic mode's zeroed semaphores) from torch's allocator."""
+    sizes = prepared.workspace
+    workspace = torch.empty(sizes.floats, dtype=torch.float32, device=device)
+    semaphores = torch.zeros(sizes.semaphores, dtype=torch.int32, device=device) if prepared.deterministic else None
+    prepared.enqueue(pointers, workspace.data_ptr(), 0 if semaphores is None else semaphores.data_ptr(),
+                     _current_stream(device.index), arrays, varlen)
 
 
 flash_attn_bwd = torch.library.custom_op("fagen::flash_attn_bwd", mutates_args=())(_flash_attn_bwd)

@@ -17,8 +17,9 @@ import torch
 from .. import contract
 from ..runtime import call as runtime_call
 from ..runtime import driver
+from ..runtime.prepared import BackwardPointers, prepare_backward
 from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
-from .backward import enqueue_backward
+from .backward import _backward_arrays, enqueue_backward
 
 _NAME = "fagen.flash_attn_varlen_func"
 
@@ -114,15 +115,16 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        alibi_slopes is not None, learnable_sink is not None)
     device = q.device.index
     kernels = get_bundle(bundle)
-    entry = runtime_call.select_backward(kernels, problem, device)
     dout = _rows(dout, "dout")
     with driver.primary_context(device):
         tensors = runtime_call.BackwardTensors(
             q=_tensor(q), k=_tensor(k), v=_tensor(v), out=_tensor(out), dout=_tensor(dout),
             dq=_tensor(dq), dk=_tensor(dk), dv=_tensor(dv), lse=lse.data_ptr())
         varlen = runtime_call.Varlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), q.shape[0], k.shape[0])
-        enqueue_backward(kernels, entry, problem, tensors, dsink, alibi_slopes, learnable_sink, None, softmax_scale,
-                         deterministic, device, varlen)
+        arrays, _copies = _backward_arrays(alibi_slopes, learnable_sink, None, dsink)  # alive until enqueued
+        prepared = prepare_backward(kernels, problem, tensors, deterministic=deterministic, softmax_scale=softmax_scale,
+                                    device=device, score_tensors=arrays, varlen=varlen)
+        enqueue_backward(prepared, BackwardPointers.of(tensors), arrays, q.device, varlen)
     return dq, dk, dv, dsink
 
 

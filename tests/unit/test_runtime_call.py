@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from fagen import abi
-from fagen.runtime import AttentionError, KernelNotFound, Problem, ScaleError, Tensor, load, prepare
+from fagen import abi, contract
+from fagen.runtime import (AttentionError, BackwardPointers, KernelNotFound, Problem, ScaleError, Tensor, load, prepare,
+                           prepare_backward)
 from fagen.runtime import call, driver
 
 from test_runtime_cpu import FakeDriver, kernel_entry, write_bundle  # noqa: E402 (tests/unit is on sys.path)
@@ -291,3 +292,122 @@ def test_a_custom_mask_is_keyed_by_its_name_and_replaces_causal():
         check_problem(Problem("bf16", True, 1, 64, 64, 2, 2, 128, mask_mod="document"))
     with pytest.raises(AttentionError, match="lower-case letters"):
         check_problem(Problem("bf16", False, 1, 64, 64, 2, 2, 128, mask_mod="Doc"))
+
+
+# ---- the backward prepared once (fagen.runtime.prepared) ----
+
+def backward_entry(key: str, fa_version: int) -> dict:
+    """A backward kernel of `key` for the 9.0 device: FA3 (sm90a) maps its tensors (TMA), FA2
+    (sm90) does not; both on a grid of 128-key blocks."""
+    direction, dtype, head_dim, variant = key.split("/", 3)
+    entry = kernel_entry("sm90a" if fa_version == 3 else "sm90",
+                         f"{direction}/{dtype}/{head_dim}/{variant.replace('/', '_').replace('+', '_')}",
+                         fa_version=fa_version)
+    entry["key"] = key
+    entry["launch"] = {**entry["launch"], "block_m": 64, "block_n": 128, "grid": "key_blocks",
+                       **({"threads": 384, "tma_q_rows": 64, "tma_kv_rows": 128} if fa_version == 3 else {})}
+    return entry
+
+
+BACKWARD_CASES = {  # problem, varlen's (total_q, total_k) or None
+    "causal-gqa-odd": (Problem("bf16", True, 2, 301, 499, 4, 2, 128), None),
+    "full-mha": (Problem("bf16", False, 1, 256, 256, 2, 2, 128), None),
+    "alibi-sinks-mqa": (Problem("bf16", True, 3, 77, 1000, 8, 1, 128, score=contract.Score(alibi=True, sinks=True)),
+                        None),
+    "varlen": (Problem("bf16", True, 3, 200, 300, 4, 2, 128, layout="varlen"), (450, 700)),
+}
+
+
+@pytest.fixture
+def backward_bundle(tmp_path):
+    return load(write_bundle(tmp_path / "b", [backward_entry(problem.direction_key("bwd"), fa_version)
+                                              for problem, _ in BACKWARD_CASES.values() for fa_version in (2, 3)]))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Every launch as (kernel, grid, block, dynamic shared memory, stream, its parameters' bytes)."""
+    recorded = []
+
+    def launch(kernel, grid, block, dynamic_smem, stream, params):
+        recorded.append((int(kernel), grid, block, dynamic_smem, stream, tuple(bytes(p) for p in params)))
+
+    monkeypatch.setattr(driver, "launch", launch)
+    return recorded
+
+
+def _backward_call(problem: Problem, totals: tuple[int, int] | None, base: int, deterministic: bool = False) -> dict:
+    """attention_backward's arguments for `problem`, every buffer at its own address from `base` up."""
+    def at(index):
+        return base + (index << 24)
+
+    rows_q, rows_k = (problem.seqlen_q, problem.seqlen_k) if totals is None else totals
+
+    def like_q(index):
+        return Tensor.contiguous(at(index), rows_q, problem.heads_q, problem.head_dim)
+
+    def like_k(index):
+        return Tensor.contiguous(at(index), rows_k, problem.heads_kv, problem.head_dim)
+
+    tensors = call.BackwardTensors(q=like_q(0), k=like_k(1), v=like_k(2), out=like_q(3), dout=like_q(4), dq=like_q(5),
+                                   dk=like_k(6), dv=like_k(7), lse=at(8))
+    score = problem.score
+    arrays = call.ScoreTensors(alibi_slopes=at(9) if score.alibi else 0, sinks=at(10) if score.sinks else 0,
+                               dsinks=at(11) if score.sinks else 0)
+    return dict(tensors=tensors, workspace=at(12), semaphores=at(13) if deterministic else 0, score_tensors=arrays,
+                varlen=None if totals is None else call.Varlen(at(14), at(15), *totals))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("fa_version", [2, 3])
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_a_prepared_backward_launches_what_attention_backward_does(backward_bundle, fake, launched, case, fa_version,
+                                                                   deterministic):
+    problem, totals = BACKWARD_CASES[case]
+    entry = call.select_backward(backward_bundle, problem, fa_version=fa_version)
+    prepared_on, launched_on = (_backward_call(problem, totals, base, deterministic) for base in (1 << 32, 2 << 32))
+    prepared = prepare_backward(backward_bundle, problem, prepared_on["tensors"], deterministic=deterministic,
+                                softmax_scale=0.1, entry=entry, score_tensors=prepared_on["score_tensors"],
+                                varlen=prepared_on["varlen"])
+    tensors = launched_on.pop("tensors")
+    prepared.launch(BackwardPointers.of(tensors), stream=0xABC, **launched_on)
+    call.attention_backward(backward_bundle, problem, tensors, softmax_scale=0.1, stream=0xABC, entry=entry,
+                            **launched_on)
+    assert len(launched) == 6 and launched[:3] == launched[3:], "not the unprepared call's launched"
+    assert len({launch[0] for launch in launched[:3]}) == 3  # the preprocess, the main kernel, the dQ conversion
+    main = launched[1][-1]
+    params = abi.BwdParams.from_buffer_copy(main[0])
+    addresses = [getattr(params, name) for name, kind in abi.BwdParams._fields_ if kind is ctypes.c_void_p]
+    assert all(address is None or address >= 2 << 32 for address in addresses), "an address of the prepared call"
+    if fa_version == 3:  # the maps over the launch's q, k, v, dout and dQ accumulator (fake: map n is n's bytes)
+        mapped = [fake.maps[main[1][128 * i] - 1][1] for i in range(5)]
+        assert mapped == [tensors.q.data, tensors.k.data, tensors.v.data, tensors.dout.data, launched_on["workspace"]]
+    else:
+        assert len(main) == 1
+
+
+def test_a_prepared_backward_maps_each_set_of_addresses_once(backward_bundle, fake, launched):
+    problem, _ = BACKWARD_CASES["causal-gqa-odd"]
+    arguments = _backward_call(problem, None, 1 << 32)
+    prepared = prepare_backward(backward_bundle, problem, arguments.pop("tensors"))
+    first, second = (BackwardPointers.of(_backward_call(problem, None, base)["tensors"]) for base in (2 << 32, 3 << 32))
+    for pointers in (first, first, second, first):
+        prepared.launch(pointers, **arguments)
+    # Five maps for the first set, four for the second (the same workspace: its map is the first's).
+    assert len(fake.maps) == 9 and launched[1] == launched[4] == launched[10] != launched[7]
+    prepared.launch(first, **dict(arguments, workspace=4 << 32))  # the dQ accumulator's map moves with it
+    assert fake.maps[-1][1] == 4 << 32 and launched[-2][-1][1][-128:] == bytes([10]) * 128
+
+
+def test_a_prepared_backward_refuses_launches_it_was_not_prepared_for(backward_bundle, fake, launched):
+    problem, _ = BACKWARD_CASES["causal-gqa-odd"]
+    arguments = _backward_call(problem, None, 1 << 32)
+    pointers = BackwardPointers.of(arguments["tensors"])
+    prepared = prepare_backward(backward_bundle, problem, arguments["tensors"])
+    with pytest.raises(AttentionError, match="needs a workspace"):
+        prepared.launch(pointers, workspace=0)
+    with pytest.raises(AttentionError, match="semaphores are the deterministic mode's"):
+        prepared.launch(pointers, workspace=1 << 20, semaphores=2 << 20)
+    with pytest.raises(AttentionError, match="a dense one without"):
+        prepared.launch(pointers, workspace=1 << 20, varlen=call.Varlen(3 << 20, 4 << 20, 301, 499))
+    assert launched == []

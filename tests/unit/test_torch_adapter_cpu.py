@@ -8,8 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fagen.torch import adapter, bundle_path, flash_attn_func, get_bundle, kernel_key  # noqa: E402
+from fagen import abi  # noqa: E402
+from fagen.torch import adapter, backward, bundle_path, flash_attn_func, get_bundle, kernel_key  # noqa: E402
 
+from test_runtime_call import backward_entry, fake, launched  # noqa: E402, F401 (the fixtures)
 from test_runtime_cpu import KEY, kernel_entry, write_bundle  # noqa: E402  (tests/unit is on sys.path)
 
 
@@ -346,3 +348,99 @@ def test_a_traced_training_step_goes_through_both_ops():
     q, k, v = (t.requires_grad_(True) for t in _qkv())
     with pytest.raises(Exception, match="CUDA tensors"):  # traced fine; the CPU run is refused
         step(q, k, v).backward()
+
+
+# ---- the backward's prepared launches, on CPU tensors through the fake driver ----
+
+@pytest.fixture
+def cpu_backward(tmp_path, fake, launched, monkeypatch):  # noqa: F811
+    """_flash_attn_bwd on CPU tensors (device index None: the fake's device 0) with a bundle of
+    FA3 backward kernels of head dim 64; returns the bundle's path and the list of problems
+    prepared."""
+    device_of = fake.cuDeviceGet
+    monkeypatch.setattr(fake, "cuDeviceGet", lambda ordinal: device_of(ordinal or 0))
+    monkeypatch.setattr(backward, "_check_device", lambda q, k, v: None)
+    monkeypatch.setattr(backward, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(backward, "_prepared_backwards", {})
+    preparations, prepare = [], backward.prepare_backward
+
+    def counted(kernels, problem, *args, **kwargs):
+        preparations.append(problem)
+        return prepare(kernels, problem, *args, **kwargs)
+
+    monkeypatch.setattr(backward, "prepare_backward", counted)
+    keys = ("bf16/hd64/causal", "bf16/hd64/full", "bf16/hd64/local", "bf16/hd64/causal+softcap", "fp16/hd64/causal")
+    return str(write_bundle(tmp_path / "b", [backward_entry(f"bwd/{key}", 3) for key in keys])), preparations
+
+
+def _gradients(dout, q, k, v, out, bundle, causal=True, window=(-1, -1), softcap=0.0, softmax_scale=None,
+               deterministic=False):
+    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    return backward._flash_attn_bwd(dout, q, k, v, out, lse, None, None, causal, *window, softcap, softmax_scale,
+                                    bundle, deterministic)
+
+
+@pytest.mark.parametrize("sizes, causal", [((2, 5, 7, 4, 2), True), ((1, 64, 64, 2, 2), False),
+                                           ((3, 33, 129, 8, 1), True)], ids=["gqa-odd", "mha-full", "mqa-odd"])
+def test_a_repeated_backward_launches_as_the_unprepared_call(cpu_backward, launched, sizes, causal):  # noqa: F811
+    bundle, preparations = cpu_backward
+    q, k, v = _qkv(*sizes)
+    out, dout = torch.randn_like(q), torch.randn_like(q).transpose(1, 2).contiguous().transpose(1, 2)
+    _gradients(dout, q, k, v, out, bundle, causal, softmax_scale=0.1)
+    q = q.clone()  # another address, the same signature
+    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    launched.clear()
+    dq, dk, dv, _ = backward._flash_attn_bwd(dout, q, k, v, out, lse, None, None, causal, -1, -1, 0.0, 0.1, bundle,
+                                             False)
+    assert len(preparations) == 1 and len(launched) == 3
+    prepared = list(launched)
+    params = abi.BwdParams.from_buffer_copy(prepared[1][-1][0])
+    assert (params.q, params.dq, params.lse) == (q.data_ptr(), dq.data_ptr(), lse.data_ptr())
+    launched.clear()
+    tensors = adapter.runtime_call.BackwardTensors(
+        *(adapter._tensor(t) for t in (q, k, v, out, dout, dq, dk, dv)), lse=lse.data_ptr())
+    adapter.runtime_call.attention_backward(get_bundle(bundle), adapter._problem(q, k, v, causal, (-1, -1)), tensors,
+                                            workspace=params.dq_accum, softmax_scale=0.1)
+    assert launched == prepared
+
+
+def test_a_changed_signature_prepares_anew(cpu_backward):
+    bundle, preparations = cpu_backward
+    q, k, v = _qkv()
+    _gradients(q, q, k, v, q, bundle)
+    _gradients(q.clone(), q.clone(), k.clone(), v.clone(), q.clone(), bundle)  # new addresses alone
+    assert len(preparations) == 1
+    heads_major = k.transpose(1, 2).contiguous().transpose(1, 2)  # k's shape, other strides
+    longer = _qkv(seqlen_q=6)[0]
+    halves = [t.half() for t in (q, k, v)]
+    for change in (dict(causal=False), dict(window=(3, 0)), dict(softcap=5.0), dict(softmax_scale=0.2),
+                   dict(deterministic=True), dict(k=heads_major), dict(q=longer, dout=longer, out=longer),
+                   dict(q=halves[0], k=halves[1], v=halves[2], dout=halves[0], out=halves[0])):
+        arguments = {"dout": q, "q": q, "k": k, "v": v, "out": q, **change}
+        _gradients(arguments.pop("dout"), arguments.pop("q"), arguments.pop("k"), arguments.pop("v"),
+                   arguments.pop("out"), bundle, **arguments)
+    assert len(preparations) == 9
+    assert [p.mask.kind for p in preparations[1:3]] == ["full", "local"] and preparations[-1].dtype == "fp16"
+
+
+def test_inputs_a_kernel_cannot_read_are_copied_on_every_call(cpu_backward, launched):  # noqa: F811
+    bundle, preparations = cpu_backward
+    q, k, v = _qkv()
+    misaligned = torch.randn(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # 2 bytes past an alignment
+    broadcast = k[:1].expand(2, -1, -1, -1)  # stride 0, which a TMA map cannot take
+    for _ in range(2):
+        launched.clear()
+        _gradients(q, misaligned, broadcast, v, q, bundle)
+        params = abi.BwdParams.from_buffer_copy(launched[1][-1][0])
+        assert params.q != misaligned.data_ptr() and params.q % 16 == 0
+        assert params.k != broadcast.data_ptr() and params.k_batch_stride == 7 * 2 * 64
+    assert len(preparations) == 1
+
+
+def test_a_bad_backward_is_refused_after_good_ones(cpu_backward):
+    bundle, preparations = cpu_backward
+    q, k, v = _qkv()
+    _gradients(q, q, k, v, q, bundle)
+    with pytest.raises(ValueError, match="multiple of nheads_kv=3"):
+        _gradients(q, q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1), q, bundle)
+    assert len(preparations) == 1
