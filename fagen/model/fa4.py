@@ -147,9 +147,7 @@ class Fa4ForwardSpec(KernelSpec):
     WHY_ARCHS: ClassVar[str] = "tcgen05 (MMA into Tensor Memory) exists only on sm_100a"
     # UTCHMMA: tcgen05.mma kind::f16; LDTM: tcgen05.ld; UTCBAR: tcgen05.commit.
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "UTCBAR", "UTMALDG")
-    MASKS: ClassVar[tuple[str, ...]] = ("full", "causal")
-    WHY_MASKS: ClassVar[str] = ("a window's left edge in the softmax warps' mask spilled 4 bytes at "
-                                "head_dim 128 (168 registers, 2026-12-01)")
+    WHY_MASKS: ClassVar[str] = "custom masks: the FA2 forward takes them"
 
     fa_version: Literal[4]
     direction: Literal["fwd"] = "fwd"

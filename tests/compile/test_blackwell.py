@@ -68,7 +68,7 @@ def test_fa2_sm100a_backward_compiles_without_local_memory(blackwell_spec, tmp_p
     """FA2's backward for sm100a (bf16, head dim 128, causal): ptxas put the preprocess's
     accumulator in local memory there while it was indexed by a lane value (2026-12-04)."""
     sample = [s for s in blackwell_spec.specs if s.fa_version == 2 and s.arch == Arch.sm100a and s.direction == "bwd"
-              and s.dtype == "bf16" and s.head_dim == 128 and s.mask == "causal"]
+              and s.dtype == "bf16" and s.head_dim == 128 and s.mask == "causal" and not s.score]
     assert len(sample) == 1
     report = build_bundle(Expansion(bundle="sm100a-fa2-bwd", specs=sample), tmp_path / "b", jobs=JOBS,
                           cache_dir=kernel_cache)
@@ -80,8 +80,10 @@ def test_fa2_sm100a_backward_compiles_without_local_memory(blackwell_spec, tmp_p
 def test_covers_head_dims_masks_and_dtypes(blackwell):
     expansion, report = blackwell
     forwards = [e for e in report.manifest.kernels if e.spec["direction"] == "fwd"]
-    keys = {(e.spec["head_dim"], e.spec["causal"], e.spec["dtype"]) for e in forwards}
-    assert {(d, c, "bf16") for d in (64, 128) for c in (False, True)} <= keys
+    keys = {(e.spec["head_dim"], e.spec.get("mask", "causal" if e.spec.get("causal") else "full"), e.spec["dtype"])
+            for e in forwards}
+    assert {(d, m, t) for d in (64, 128) for m in ("full", "causal", "local") for t in ("bf16", "fp16")} <= keys
+    assert {(256, m, t) for m in ("causal", "local") for t in ("bf16", "fp16")} <= keys
     assert all(e.fa_version == 4 and e.arch == "sm100a" for e in report.manifest.kernels)
     variants = {(e.spec["head_dim"], tuple(e.spec.get("score", ()))) for e in forwards}
     assert {(128, ("softcap",)), (128, ("alibi",)), (64, ("sinks",))} <= variants
@@ -93,7 +95,7 @@ def test_backward_covers_head_dims_masks_and_dtypes(blackwell):
     backward = [s for s in expansion.specs if s.direction == "bwd"]
     have = {(s.dtype, s.head_dim, s.mask, s.score) for s in backward}
     assert {(t, d, m, ()) for t in ("bf16", "fp16") for d in (64, 128) for m in ("full", "causal", "local")} <= have
-    assert {("bf16", 128, "causal", ("alibi",)), ("bf16", 64, "causal", ("sinks",))} <= have
+    assert {("bf16", 128, "causal", ("alibi",)), ("bf16", 64, "causal", ("sinks",)), ("bf16", 64, "local", ("sinks",))} <= have
 
 
 def test_sass_has_tcgen05_and_tma_and_no_local_memory(blackwell):

@@ -92,16 +92,30 @@ def softcap_tanh(x: np.ndarray) -> np.ndarray:
     return (np.float32(1) - np.float32(2) / (np.float32(1) + e)).astype(np.float32)
 
 
+def key_range(rows: np.ndarray, seqlen_q: int, seqlen_k: int, causal: bool,
+              window: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """AttentionMask's [key_begin, key_end) of each row: causal is the right edge at 0, a window
+    (left, right; -1 unbounded) both edges, bottom-right aligned."""
+    offset = seqlen_k - seqlen_q
+    left, right = window if window is not None else (-1, 0 if causal else -1)
+    begin = np.zeros(len(rows), dtype=np.int64) if left < 0 else np.maximum(0, rows + offset - left)
+    end = np.full(len(rows), seqlen_k) if right < 0 else np.minimum(seqlen_k, rows + offset + right + 1)
+    return begin, end
+
+
 def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float | None = None,
                 exp2_period: int = 0, rescale_threshold: float | None = None,
                 coeffs: np.ndarray | None = None, stats: ModelStats | None = None,
-                softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None):
+                softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None,
+                window: tuple[int, int] | None = None):
     """O (seqlen_q, head_dim) and natural-log LSE (seqlen_q,) of one head, as the kernel computes.
 
     q, k, v hold values already representable in `dtype` (fp32 arrays). The score modifiers as
     algo/score.cuh applies them (softcap: u = tanh(s softmax_scale / softcap) with scale_log2 =
     softcap log2 e; ALiBi: the slope in u's units times the distance), the sink as the softmax
-    warps' end does (algo::sink_term).
+    warps' end does (algo::sink_term). `window` (left, right; -1 unbounded) is the local mask:
+    a block of rows visits the key blocks between its first row's left edge and its last row's
+    right edge.
     """
     coeffs = fit_exp2_polynomial() if coeffs is None else coeffs
     stats = ModelStats() if stats is None else stats
@@ -117,17 +131,21 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
 
     for row_begin in range(0, seqlen_q, BLOCK_M):
         rows = np.arange(row_begin, min(row_begin + BLOCK_M, seqlen_q))
-        keys = min(seqlen_k, row_begin + BLOCK_M + offset) if causal else seqlen_k
-        n_blocks = -(-keys // block_n)
+        # AttentionMask::key_blocks over the whole block of rows (the kernel's rows past
+        # seqlen_q included).
+        block_rows = np.array([row_begin, row_begin + BLOCK_M - 1])
+        first, last = key_range(block_rows, seqlen_q, seqlen_k, causal, window)
+        block_begin, block_end = first[0] // block_n, -(-last[1] // block_n)
+        n_blocks = block_end - block_begin
         stats.visited_blocks.append(max(n_blocks, 0))
         if n_blocks <= 0:
             continue  # write_empty_rows: O = 0, LSE = -inf
-        key_end = np.minimum(seqlen_k, rows + offset + 1) if causal else np.full(len(rows), seqlen_k)
+        key_begin, key_end = key_range(rows, seqlen_q, seqlen_k, causal, window)
         reference = np.full(len(rows), -np.inf, dtype=np.float32)
         row_sum = np.zeros(len(rows), dtype=np.float32)
         acc = np.zeros((len(rows), head_dim), dtype=np.float32)
         for j in range(n_blocks):
-            n_block = n_blocks - 1 - j
+            n_block = block_end - 1 - j
             cols = n_block * block_n + np.arange(block_n)
             k_blk = np.zeros((block_n, head_dim), dtype=np.float32)  # TMA zero-fills past seqlen_k
             v_blk = np.zeros((block_n, head_dim), dtype=np.float32)
@@ -139,7 +157,7 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             if slope_units is not None:
                 distance = np.abs(rows[:, None] + offset - cols[None, :]).astype(np.float32)
                 scores = (scores - slope_units * distance).astype(np.float32)
-            scores[cols[None, :] >= key_end[:, None]] = -np.inf
+            scores[(cols[None, :] >= key_end[:, None]) | (cols[None, :] < key_begin[:, None])] = -np.inf
             block_max = np.maximum(reference, scores.max(axis=1))
             reference, rescale = next_reference_max(reference, block_max, scale_log2,
                                                     rescale_threshold, stats)
@@ -165,10 +183,10 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             inv = np.where(divisor == 0, np.float32(0), np.float32(1) / divisor)
         out[rows] = round_to(acc * inv[:, None].astype(np.float32), dtype)
         lse[rows] = lse_rows
-    if sink is not None:  # rows that see no key (write_empty_rows): the sink alone
+    if sink is not None:  # rows of a block that visits no key (write_empty_rows): the sink alone
         for row_begin in range(0, seqlen_q, BLOCK_M):
-            keys = min(seqlen_k, row_begin + BLOCK_M + offset) if causal else seqlen_k
-            if keys <= 0:
+            first, last = key_range(np.array([row_begin, row_begin + BLOCK_M - 1]), seqlen_q, seqlen_k, causal, window)
+            if -(-last[1] // block_n) <= first[0] // block_n:
                 lse[row_begin:row_begin + BLOCK_M] = np.float32(sink)
     return out, lse
 
@@ -200,8 +218,15 @@ def modified_scores(scores, *, softcap: float = 0.0, alibi_slope: float | None =
     return scores
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None) -> np.ndarray:
+    begin, end = key_range(np.arange(seqlen_q), seqlen_q, seqlen_k, causal, window)
+    keys = np.arange(seqlen_k)[None, :]
+    return (keys >= begin[:, None]) & (keys < end[:, None])
+
+
 def reference_attention(q, k, v, *, causal: bool, scale: float | None = None, softcap: float = 0.0,
-                        alibi_slope: float | None = None, sink: float | None = None):
+                        alibi_slope: float | None = None, sink: float | None = None,
+                        window: tuple[int, int] | None = None):
     """fp64 attention with bottom-right causal alignment and flash-attn's score modifiers (the
     sink a logit in every row's denominator); rows that see no key give 0 and -inf (the sink
     with one)."""
@@ -210,9 +235,7 @@ def reference_attention(q, k, v, *, causal: bool, scale: float | None = None, so
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     scores = modified_scores(scale * (q @ k.T), softcap=softcap, alibi_slope=alibi_slope)
-    if causal:
-        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-        scores = np.where(visible, scores, -np.inf)
+    scores = np.where(visible_pairs(seqlen_q, seqlen_k, causal, window), scores, -np.inf)
     if sink is not None:
         scores = np.concatenate([scores, np.full((seqlen_q, 1), float(sink))], axis=1)
         v = np.concatenate([v, np.zeros((1, head_dim))], axis=0)
@@ -227,16 +250,15 @@ def reference_attention(q, k, v, *, causal: bool, scale: float | None = None, so
 
 
 def low_precision_attention(q, k, v, *, causal: bool, dtype: str, scale: float | None = None,
-                            softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None):
+                            softcap: float = 0.0, alibi_slope: float | None = None, sink: float | None = None,
+                            window: tuple[int, int] | None = None):
     """Plain attention with every intermediate rounded to `dtype` (the 2x error baseline)."""
     seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     scores = round_to(round_to(q @ k.T, dtype) * np.float32(scale), dtype)
     scores = round_to(modified_scores(scores, softcap=softcap, alibi_slope=alibi_slope), dtype)
-    if causal:
-        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-        scores = np.where(visible, scores, -np.inf)
+    scores = np.where(visible_pairs(seqlen_q, seqlen_k, causal, window), scores, -np.inf)
     if sink is not None:
         scores = np.concatenate([scores, np.full((seqlen_q, 1), round_to(np.float32(sink), dtype))], axis=1)
         v = np.concatenate([v, np.zeros((1, head_dim), dtype=np.float32)], axis=0)

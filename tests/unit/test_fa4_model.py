@@ -39,11 +39,11 @@ def inputs(seqlen_q, seqlen_k, head_dim, dtype, seed, spread=1.0):
     return q, k, v
 
 
-def check(q, k, v, *, causal, dtype, block_n, coeffs, **options):
+def check(q, k, v, *, causal, dtype, block_n, coeffs, window=None, **options):
     out, lse = fa4_forward(q, k, v, causal=causal, block_n=block_n, dtype=dtype, coeffs=coeffs,
-                           **options)
-    ref, ref_lse = reference_attention(q, k, v, causal=causal)
-    baseline = low_precision_attention(q, k, v, causal=causal, dtype=dtype)
+                           window=window, **options)
+    ref, ref_lse = reference_attention(q, k, v, causal=causal, window=window)
+    baseline = low_precision_attention(q, k, v, causal=causal, dtype=dtype, window=window)
     error = np.max(np.abs(out - ref))
     allowed = 2 * np.max(np.abs(baseline - ref)) + ATOL
     assert error <= allowed, (error, allowed)
@@ -106,6 +106,35 @@ def test_causal_block_skipping_visits_only_blocks_left_of_the_diagonal(coeffs):
     stats = ModelStats()
     fa4_forward(q, k, v, causal=True, block_n=128, dtype="bf16", coeffs=coeffs, stats=stats)
     assert stats.visited_blocks == [1, 2, 3, 4]
+
+
+WINDOWS = [  # (seqlen_q, seqlen_k, head_dim, (left, right), block_n)
+    (300, 300, 128, (100, 0), 128),   # Mistral-like: causal with a left edge
+    (257, 400, 64, (31, 17), 128),    # both edges, seqlen_k > seqlen_q
+    (200, 77, 256, (8, 0), 64),       # head dim 256's tile; the first 123 rows see no key
+    (130, 1000, 128, (2, 2), 128),    # five keys a row, most key blocks skipped
+]
+
+
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "q{}k{}d{}w{}-{}".format(*c[:3], *c[3]))
+def test_windows_match_fp64_within_twice_low_precision_error(case, coeffs):
+    """The local mask: both edges masked in the softmax warps, the key blocks between the first
+    row's left edge and the last row's right edge visited (and no others)."""
+    seqlen_q, seqlen_k, head_dim, window, block_n = case
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, "bf16", seed=seqlen_q + seqlen_k, spread=2.0)
+    stats = ModelStats()
+    out, lse = check(q, k, v, causal=False, dtype="bf16", block_n=block_n, coeffs=coeffs, window=window,
+                     exp2_period=4, rescale_threshold=8.0, stats=stats)
+    assert not np.any(np.isnan(out))
+    full = -(-seqlen_k // block_n)
+    assert max(stats.visited_blocks) < full or window[0] + window[1] + 128 >= seqlen_k
+
+
+def test_window_visits_only_the_blocks_under_it(coeffs):
+    q, k, v = inputs(512, 512, 64, "bf16", seed=14)
+    stats = ModelStats()
+    fa4_forward(q, k, v, causal=False, block_n=128, dtype="bf16", coeffs=coeffs, stats=stats, window=(100, 0))
+    assert stats.visited_blocks == [1, 2, 2, 2]
 
 
 def test_conditional_rescale_skips_most_rescales_and_stays_exact(coeffs):

@@ -113,20 +113,30 @@ def test_blackwell_devices_take_fa4_on_sm100_and_fa2_on_sm120(tmp_path):
         bundle.select(local, (10, 3))  # an sm100a cubin runs on 10.0 only
 
 
-def test_blackwell_spec_trains_with_fa4_backward_on_sm100(tmp_path):
-    """specs/blackwell.yaml's own kernels: a B200 takes FA4's backward where it was built (head
-    dims 64 and 128) and FA2's sm100a backward for head dim 256; an RTX 50-series the sm120 FA2
-    backward."""
+def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
+    """specs/blackwell.yaml's own kernels: a B200 takes FA4 where it was built (forward and
+    backward at head dims 64 and 128, the forward's 256 with a mask, windows, ALiBi, sinks) and
+    FA2's sm100a build for the rest (softcap's backward, head dim 256's backward, 192 / 128's);
+    an RTX 50-series the sm120 FA2 build; both have every model family's variant in both
+    directions (Gemma-2, gpt-oss, Mistral, BLOOM, DeepSeek-V3)."""
     from fagen import paths
     from fagen.model import load_spec_file
 
     specs = load_spec_file(paths.specs_dir() / "blackwell.yaml").specs
-    found = {(s.lookup_key, s.arch.value, s.fa_version) for s in specs if s.direction == "bwd"}
+    found = {(s.lookup_key, s.arch.value, s.fa_version) for s in specs if s.layout == "dense"}
     bundle = load(write_bundle(tmp_path / "b", [kernel_entry(arch, key, fa_version=v) for key, arch, v in sorted(found)]))
-    for key in ("bwd/bf16/hd128/causal", "bwd/fp16/hd64/local", "bwd/bf16/hd64/causal+sinks"):
+    fa4 = ["bwd/bf16/hd128/causal", "bwd/fp16/hd64/local", "bwd/bf16/hd64/local+sinks", "bwd/bf16/hd128/causal+alibi",
+           "fwd/bf16/hd128/local", "fwd/fp16/hd256/causal", "fwd/bf16/hd64/local+sinks", "fwd/bf16/hd128/causal+softcap"]
+    for key in fa4:
         assert (bundle.select(key, (10, 0)).arch, bundle.select(key, (10, 0)).fa_version) == ("sm100a", 4), key
-    assert (bundle.select("bwd/bf16/hd256/causal", (10, 0)).fa_version) == 2
-    assert (bundle.select("bwd/bf16/hd128/causal", (12, 0)).arch) == "sm120"
+    families = [f"{d}/bf16/hd{h}/{m}+softcap" for d in ("fwd", "bwd") for h in (128, 256) for m in ("causal", "local")]
+    families += [f"{d}/bf16/hd64/{m}+sinks" for d in ("fwd", "bwd") for m in ("causal", "local")]
+    families += [f"{d}/bf16/hd128/{m}" for d in ("fwd", "bwd") for m in ("local", "causal+alibi")]
+    families += [f"{d}/bf16/hd192v128/causal" for d in ("fwd", "bwd")] + ["bwd/bf16/hd256/causal", "fwd/bf16/hd256/full"]
+    for key in families:
+        assert bundle.select(key, (10, 0)).arch == "sm100a", key
+        assert (bundle.select(key, (12, 0)).arch, bundle.select(key, (12, 0)).fa_version) == ("sm120", 2), key
+    assert bundle.select("bwd/bf16/hd256/local+softcap", (10, 0)).fa_version == 2
 
 
 def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):

@@ -387,13 +387,14 @@ def test_mask_field_and_causal_shorthand():
         spec(mask="sliding")
 
 
-def test_fa1_and_fa4_name_the_masks_they_lack():
+def test_fa1_names_the_masks_it_lacks_and_fa4_takes_windows():
     with pytest.raises(pydantic.ValidationError, match="fa_version=1 fwd has the full, causal masks only"):
         KernelSpec.model_validate({"fa_version": 1, "arch": "sm80", "dtype": "bf16", "head_dim": 64,
                                    "mask": "local"})
-    with pytest.raises(pydantic.ValidationError, match="fa_version=4 fwd has the full, causal masks only"):
-        KernelSpec.model_validate({"fa_version": 4, "arch": "sm100a", "dtype": "bf16", "head_dim": 128,
-                                   "mask": "local"})
+    for direction in ("fwd", "bwd"):
+        spec = KernelSpec.model_validate({"fa_version": 4, "direction": direction, "arch": "sm100a", "dtype": "bf16",
+                                          "head_dim": 128, "mask": "local"})
+        assert spec.mask == "local"
 
 
 def test_the_tuning_module_imports_no_algorithm():

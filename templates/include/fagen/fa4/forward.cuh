@@ -231,8 +231,8 @@ struct Forward {
         const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
         using Mask = algo::AttentionMask<Config::kMask>;
         const Mask mask = Mask::of(prm);
-        // The full and causal masks only (fagen/model/fa4.py: a window's left edge spilled).
-        static_assert(!Mask::kLeftEdge);
+        // The keys [key_begin, key_end) this row sees (a window's left edge, the right edge).
+        const int key_begin = mask.key_begin(w.row_begin + row);
         const int key_end = mask.key_end(w.row_begin + row);
         const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
         float reference = algo::neg_inf();
@@ -264,7 +264,8 @@ struct Forward {
             if (mask.block_needs_mask(n_block, w.row_begin, kBlockM, kBlockN)) {
 #pragma unroll
                 for (int c = 0; c < kBlockN; ++c) {
-                    if (n_block * kBlockN + c >= key_end) scores[c] = algo::neg_inf();
+                    const int key = n_block * kBlockN + c;
+                    if (key >= key_end || (Mask::kLeftEdge && key < key_begin)) scores[c] = algo::neg_inf();
                 }
             }
             float own_max = algo::neg_inf();
@@ -410,9 +411,17 @@ struct Forward {
     }
 
     // ---------------------------------------------------------------- entry
-    static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+    // The CTA's tile. The softmax and correction warps compute it again after their setmaxnreg
+    // rather than keeping the entry's across it: a window's tile kept one more value live, which
+    // ptxas spilled (4 bytes at head dims 64 and 128); recomputed by the control warps too, the
+    // full mask's kernels spilled instead (2026-12-04).
+    static __device__ __forceinline__ Work work_of_cta(const FagenFwdParams& prm) {
         const auto sched = algo::TileScheduler<Config::kMask, false>::for_params(prm, kBlockM);
-        const Work w = algo::tile_work<algo::AttentionMask<Config::kMask>>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
+        return algo::tile_work<algo::AttentionMask<Config::kMask>>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
+    }
+
+    static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
+        const Work w = work_of_cta(prm);
         if (w.n_blocks <= 0) {
             write_empty_rows(prm, w);
             return;
@@ -454,10 +463,10 @@ struct Forward {
 
         if (warp < kCorrectionWarp0) {
             ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
-            softmax(prm, s, w, tmem, threadIdx.x - kSoftmaxWarp0 * 32);
+            softmax(prm, s, work_of_cta(prm), tmem, threadIdx.x - kSoftmaxWarp0 * 32);
         } else if (warp < kLoadWarp) {
             ptx::setmaxnreg_dec<Config::kCorrectionRegisters>();
-            correct(prm, s, w, tmem, threadIdx.x - kCorrectionWarp0 * 32);
+            correct(prm, s, work_of_cta(prm), tmem, threadIdx.x - kCorrectionWarp0 * 32);
         } else {
             ptx::setmaxnreg_dec<Config::kControlRegisters>();
             if (warp == kLoadWarp && lane == 0) load(maps, s, w);
