@@ -148,6 +148,7 @@ class Fa4ForwardSpec(KernelSpec):
     # UTCHMMA: tcgen05.mma kind::f16; LDTM: tcgen05.ld; UTCBAR: tcgen05.commit.
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "UTCBAR", "UTMALDG")
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 forward takes them"
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
 
     fa_version: Literal[4]
     direction: Literal["fwd"] = "fwd"

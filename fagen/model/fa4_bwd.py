@@ -189,6 +189,7 @@ class Fa4BackwardSpec(KernelSpec):
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "STTM", "UTCBAR", "UTMALDG")
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 backward takes them"
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
     SCORE_MODS: ClassVar[tuple[str, ...]] = ("alibi", "sinks")
     WHY_SCORE_MODS: ClassVar[str] = ("softcap's 1 - u^2 per score would be 64 more registers per "
                                      "compute thread beside its 128 probabilities (the FA2 backward "

@@ -51,11 +51,12 @@ def test_fa2_covers_sm120_and_fits_its_shared_memory(blackwell_spec):
 
 
 def test_fa2_sm120_sample_compiles_without_local_memory(blackwell_spec, tmp_path, kernel_cache):
-    """One sm120 kernel of each kind (forward, backward, split-KV; bf16, head dim 128): mma.sync
-    (HMMA) SASS, no local memory, registers and shared memory within sm120's limits."""
+    """One sm120 kernel of each kind (forward, backward, split-KV, varlen both ways; bf16, head dim
+    128): mma.sync (HMMA) SASS, no local memory, registers and shared memory within sm120's limits."""
     sample = [s for s in blackwell_spec.specs if s.fa_version == 2 and s.arch == Arch.sm120 and s.dtype == "bf16"
-              and s.head_dim == 128 and s.mask in ("causal", "local") and (s.layout == "paged") == (s.mask == "local")]
-    assert {(s.direction, s.layout) for s in sample} == {("fwd", "dense"), ("bwd", "dense"), ("fwd", "paged")}
+              and s.head_dim == 128 and not s.score and s.mask == ("local" if s.layout == "paged" else "causal")]
+    assert {(s.direction, s.layout) for s in sample} == {("fwd", "dense"), ("bwd", "dense"), ("fwd", "paged"),
+                                                         ("fwd", "varlen"), ("bwd", "varlen")}
     report = build_bundle(Expansion(bundle="sm120", specs=sample), tmp_path / "b", jobs=JOBS, cache_dir=kernel_cache)
     for entry in report.manifest.kernels:
         assert entry.arch == "sm120" and tuple(entry.compute_capability) == (12, 0) and not entry.arch_specific
@@ -87,6 +88,16 @@ def test_covers_head_dims_masks_and_dtypes(blackwell):
     assert all(e.fa_version == 4 and e.arch == "sm100a" for e in report.manifest.kernels)
     variants = {(e.spec["head_dim"], tuple(e.spec.get("score", ()))) for e in forwards}
     assert {(128, ("softcap",)), (128, ("alibi",)), (64, ("sinks",))} <= variants
+
+
+def test_varlen_kernels_in_both_directions(blackwell):
+    """FA4 takes packed variable-length batches (flash_attn_varlen_func) forward at head dims
+    64/128/256 and backward at 64/128, full and causal, and Mistral's window at 128."""
+    expansion, _ = blackwell
+    have = {(s.direction, s.dtype, s.head_dim, s.mask) for s in expansion.specs if s.layout == "varlen"}
+    for direction, head_dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128))):
+        assert {(direction, t, d, m) for t in ("bf16", "fp16") for d in head_dims for m in ("full", "causal")} <= have
+        assert (direction, "bf16", 128, "local") in have
 
 
 def test_backward_covers_head_dims_masks_and_dtypes(blackwell):

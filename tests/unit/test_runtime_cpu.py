@@ -27,9 +27,9 @@ ARCHS = {
 
 
 def kernel_entry(arch: str, key: str, fa_version: int = 2, max_seqlen_k: int | None = None) -> dict:
-    direction, dtype, head_dim, mask = key.split("/")
+    direction, dtype, head_dim, mask, *layout = key.split("/")
     bound = "" if max_seqlen_k is None else f"_upto{max_seqlen_k}"
-    name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}{bound}_test"
+    name = f"fa{fa_version}_{direction}_{arch}_{dtype}_{head_dim}_{mask}{''.join('_' + x for x in layout)}{bound}_test"
     data = f"cubin of {name}".encode()
     cc, arch_specific = ARCHS[arch]
     return {
@@ -118,12 +118,13 @@ def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
     backward at head dims 64 and 128, the forward's 256 with a mask, windows, ALiBi, sinks) and
     FA2's sm100a build for the rest (softcap's backward, head dim 256's backward, 192 / 128's);
     an RTX 50-series the sm120 FA2 build; both have every model family's variant in both
-    directions (Gemma-2, gpt-oss, Mistral, BLOOM, DeepSeek-V3)."""
+    directions (Gemma-2, gpt-oss, Mistral, BLOOM, DeepSeek-V3) and packed variable-length
+    batches (FA4 on sm100a, but the backward at head dim 256)."""
     from fagen import paths
     from fagen.model import load_spec_file
 
     specs = load_spec_file(paths.specs_dir() / "blackwell.yaml").specs
-    found = {(s.lookup_key, s.arch.value, s.fa_version) for s in specs if s.layout == "dense"}
+    found = {(s.lookup_key, s.arch.value, s.fa_version) for s in specs if s.layout != "paged"}
     bundle = load(write_bundle(tmp_path / "b", [kernel_entry(arch, key, fa_version=v) for key, arch, v in sorted(found)]))
     fa4 = ["bwd/bf16/hd128/causal", "bwd/fp16/hd64/local", "bwd/bf16/hd64/local+sinks", "bwd/bf16/hd128/causal+alibi",
            "fwd/bf16/hd128/local", "fwd/fp16/hd256/causal", "fwd/bf16/hd64/local+sinks", "fwd/bf16/hd128/causal+softcap"]
@@ -133,10 +134,14 @@ def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
     families += [f"{d}/bf16/hd64/{m}+sinks" for d in ("fwd", "bwd") for m in ("causal", "local")]
     families += [f"{d}/bf16/hd128/{m}" for d in ("fwd", "bwd") for m in ("local", "causal+alibi")]
     families += [f"{d}/bf16/hd192v128/causal" for d in ("fwd", "bwd")] + ["bwd/bf16/hd256/causal", "fwd/bf16/hd256/full"]
+    families += [f"{d}/{t}/hd{h}/{m}/varlen" for d in ("fwd", "bwd") for t in ("bf16", "fp16") for h in (64, 128, 256)
+                 for m in ("full", "causal")] + [f"{d}/bf16/hd128/local/varlen" for d in ("fwd", "bwd")]
     for key in families:
         assert bundle.select(key, (10, 0)).arch == "sm100a", key
         assert (bundle.select(key, (12, 0)).arch, bundle.select(key, (12, 0)).fa_version) == ("sm120", 2), key
     assert bundle.select("bwd/bf16/hd256/local+softcap", (10, 0)).fa_version == 2
+    for key in ("fwd/fp16/hd256/causal/varlen", "bwd/bf16/hd128/local/varlen", "bwd/fp16/hd64/full/varlen"):
+        assert bundle.select(key, (10, 0)).fa_version == 4, key
 
 
 def test_fa2_on_sm90_when_no_arch_specific_build(tmp_path):

@@ -8,6 +8,7 @@
 //
 // One CTA per tile (key block of kBlockN = 128 keys, K/V head, batch), which walks the query
 // blocks of kBlockM = 128 rows of every query head its K/V head serves (algo::BackwardWalk).
+// Dense or varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1).
 // Role table (384 threads = 3 warpgroups; a warp touches the TMEM lanes 32 * (warp % 4) .. + 31):
 //   warps 0-3  compute  thread t owns key t (TMEM lane t of S^T, dP^T): per step P^T = exp2(S^T
 //                       scale_log2 - LSE) over S^T's columns, then dS^T = P^T (dP^T - D) over
@@ -73,7 +74,8 @@ struct Backward {
     using Mask = algo::AttentionMask<Config::kMask>;
     using Score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>;
     using Rows = algo::BackwardRows<Element, Config::kHeadDim, Config::kHeadDimV, Config::kBwdRowsPerCta,
-                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks>;
+                                    Config::kBwdRowThreads, Config::kDqAccumRowAlign, Config::kSinks,
+                                    /*kFragmentTiles=*/false, Config::kVarlen>;
     using Walk = algo::BackwardWalk<Mask, typename Rows::Row, Config::kBlockM, Config::kBlockN>;
 
     static constexpr int kHeadDim = Config::kHeadDim;    // Q, K, dQ, dK columns
@@ -152,19 +154,18 @@ struct Backward {
 
     // ---------------------------------------------------------------- load warp
     static __device__ void load(const FagenBwdTmaMaps& maps, const Smem& s, const Walk& w) {
+        const int key_row = w.seq.k_begin() + w.key_begin(), batch = w.seq.tma_batch(w.batch);
         ptx::mbarrier_arrive_expect_tx(s.barrier(kKvFull), kKBytes + kVBytes);
-        algo::tma_copy_tile<kHeadDim / 64>(maps.k, s.k(), kBlockN, s.barrier(kKvFull), w.key_begin(), w.kv_head,
-                                           w.batch);
-        algo::tma_copy_tile<kHeadDimV / 64>(maps.v, s.v(), kBlockN, s.barrier(kKvFull), w.key_begin(), w.kv_head,
-                                            w.batch);
+        algo::tma_copy_tile<kHeadDim / 64>(maps.k, s.k(), kBlockN, s.barrier(kKvFull), key_row, w.kv_head, batch);
+        algo::tma_copy_tile<kHeadDimV / 64>(maps.v, s.v(), kBlockN, s.barrier(kKvFull), key_row, w.kv_head, batch);
         algo::StepCursor at = w.first_step();
         for (int t = 0; t < w.steps(); ++t, at.advance(w.i_begin, w.i_end())) {
             const int st = t % kStages;
             ptx::mbarrier_wait_parity(s.empty(st), algo::ring_parity<kStages>(t) ^ 1);
             ptx::mbarrier_arrive_expect_tx(s.full(st), kQBytes + kDoBytes);
-            const int row = at.block * kBlockM;
-            algo::tma_copy_tile<kHeadDim / 64>(maps.q, s.q(st), kBlockM, s.full(st), row, at.head, w.batch);
-            algo::tma_copy_tile<kHeadDimV / 64>(maps.dout, s.dout(st), kBlockM, s.full(st), row, at.head, w.batch);
+            const int row = w.seq.q_begin() + at.block * kBlockM;
+            algo::tma_copy_tile<kHeadDim / 64>(maps.q, s.q(st), kBlockM, s.full(st), row, at.head, batch);
+            algo::tma_copy_tile<kHeadDimV / 64>(maps.dout, s.dout(st), kBlockM, s.full(st), row, at.head, batch);
         }
     }
 
@@ -441,10 +442,11 @@ struct Backward {
         const uint32_t lane_base = tmem + (static_cast<uint32_t>(row & ~31) << 16);
         const int key = w.key_begin() + row;
         const bool valid = key < w.seq.seqlen_k(p);
+        const long long key_row = w.seq.k_begin() + key;  // in dK, dV
         Element* dk = static_cast<Element*>(p.dk) + w.batch * p.dk_batch_stride + w.kv_head * p.dk_head_stride +
-                      static_cast<long long>(key) * p.dk_row_stride;
+                      key_row * p.dk_row_stride;
         Element* dv = static_cast<Element*>(p.dv) + w.batch * p.dv_batch_stride + w.kv_head * p.dv_head_stride +
-                      static_cast<long long>(key) * p.dv_row_stride;
+                      key_row * p.dv_row_stride;
         store_key_row<kHeadDimV>(dv, lane_base + kDvColumn, 1.f, have_steps, valid);
         store_key_row<kHeadDim>(dk, lane_base + kDkColumn, p.softmax_scale, have_steps, valid);
     }
@@ -452,9 +454,7 @@ struct Backward {
     // ---------------------------------------------------------------- entry
     static __device__ void run(const FagenBwdParams& p, const FagenBwdTmaMaps& maps, char* smem) {
         const Smem s{algo::swizzle_aligned_base(smem)};
-        const Walk w = Walk::of_cta(p);
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        const bool have_steps = w.steps() > 0;
 
         if (threadIdx.x == 0) {
             ptx::prefetch_tensormap(&maps.q);
@@ -480,18 +480,23 @@ struct Backward {
         ptx::tcgen05_fence_after_thread_sync();
         const uint32_t tmem = *static_cast<const uint32_t*>(__cvta_shared_to_generic(s.tmem_slot()));
 
+        // Each role computes the tile's walk after its setmaxnreg: values of one kept across it
+        // spilled (varlen, 2026-12-04).
         if (warp < kDqWarp0) {
             ptx::setmaxnreg_inc<Config::kComputeRegisters>();
-            if (have_steps) compute(p, s, w, tmem, threadIdx.x - kComputeWarp0 * 32);
+            const Walk w = Walk::of_cta(p);
+            if (w.steps() > 0) compute(p, s, w, tmem, threadIdx.x - kComputeWarp0 * 32);
         } else if (warp < kLoadWarp) {
             ptx::setmaxnreg_dec<Config::kDqRegisters>();
+            const Walk w = Walk::of_cta(p);
             const int row = threadIdx.x - kDqWarp0 * 32;
             write_dq(p, s, w, tmem, row);
             write_key_grads(p, s, w, tmem, row);
         } else {
             ptx::setmaxnreg_dec<Config::kControlRegisters>();
-            if (have_steps && warp == kLoadWarp && lane == 0) load(maps, s, w);
-            if (have_steps && warp == kMmaWarp && lane == 0) mma(s, w, tmem);
+            const Walk w = Walk::of_cta(p);
+            if (w.steps() > 0 && warp == kLoadWarp && lane == 0) load(maps, s, w);
+            if (w.steps() > 0 && warp == kMmaWarp && lane == 0) mma(s, w, tmem);
         }
         __syncwarp();
 

@@ -145,7 +145,9 @@ struct Forward {
     };
     static_assert(Config::kSmemControlBytes == 8 * (kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
 
-    using Work = algo::TileWork<>;
+    // Dense or varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1).
+    static constexpr int kRowLayout = Config::kVarlen ? algo::kVarlenRows : algo::kDenseRows;
+    using Work = algo::TileWork<kRowLayout>;
 
     static __device__ __forceinline__ float load_shared_f32(uint32_t addr) {
         return *static_cast<const float*>(__cvta_shared_to_generic(addr));
@@ -156,18 +158,19 @@ struct Forward {
 
     // ---------------------------------------------------------------- load warp
     static __device__ void load(const FagenTmaMaps& maps, const Smem& s, const Work& w) {
-        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.barrier(kQFull), w.row_begin,
-                                     w.head, w.batch);
+        const int batch = w.seq().tma_batch(w.batch);
+        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.barrier(kQFull), w.seq().q_begin() + w.row_begin,
+                                     w.head, batch);
         for (int j = 0; j < w.n_blocks; ++j) {
             const int slot = j % kStages;
             const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
-            const int key_begin = w.n_block(j) * kBlockN;
+            const int key_begin = w.seq().k_begin() + w.n_block(j) * kBlockN;
             ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
             algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
-                                         key_begin, w.kv_head, w.batch);
+                                         key_begin, w.kv_head, batch);
             ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
             algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
-                                         key_begin, w.kv_head, w.batch);
+                                         key_begin, w.kv_head, batch);
         }
     }
 
@@ -230,11 +233,12 @@ struct Forward {
                                    uint32_t tmem, int row) {
         const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
         using Mask = algo::AttentionMask<Config::kMask>;
-        const Mask mask = Mask::of(prm);
+        const Mask mask = Mask::of(prm, w.batch, w.seq().seqlen_q(prm), w.seq().seqlen_k(prm));
         // The keys [key_begin, key_end) this row sees (a window's left edge, the right edge).
         const int key_begin = mask.key_begin(w.row_begin + row);
         const int key_end = mask.key_end(w.row_begin + row);
-        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head);
+        const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head, mask.seqlen_q,
+                                                                                mask.seqlen_k);
         float reference = algo::neg_inf();
         float row_sum = 0.f;
         float row_rounding = 0.f;  // round16(P) - P of each block's largest P (algo/online_softmax.cuh)
@@ -315,8 +319,8 @@ struct Forward {
         }
         store_shared_f32(s.row_sum() + row * 4, divisor);
         ptx::mbarrier_arrive(s.barrier(kStatsFull));
-        const int rows_valid = prm.seqlen_q - w.row_begin;
-        float* lse = algo::tile_lse(prm, w.batch, w.head, w.row_begin);
+        const int rows_valid = mask.seqlen_q - w.row_begin;
+        float* lse = algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         if (lse != nullptr && row < rows_valid) lse[row] = row_lse;
     }
 
@@ -389,8 +393,8 @@ struct Forward {
             *reinterpret_cast<uint4*>(smem_generic + swizzled_offset(row, c * 16 + 8)) = hi;
         }
         ptx::bar_sync(kEpilogueBarrier, kBlockM);
-        const int rows_valid = prm.seqlen_q - w.row_begin;
-        Element* out = algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin);
+        const int rows_valid = w.seq().seqlen_q(prm) - w.row_begin;
+        Element* out = algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         constexpr int kVecsPerRow = kHeadDimV / 8;
         for (int idx = row; idx < kBlockM * kVecsPerRow; idx += kBlockM) {
             const int r = idx / kVecsPerRow;
@@ -405,28 +409,22 @@ struct Forward {
     // Rows that see no key (algo::write_empty_rows), written by the whole CTA.
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w) {
         algo::write_empty_rows<Element, kBlockM, kHeadDimV, Config::kThreads>(
-            algo::tile_output<Element>(prm, w.batch, w.head, w.row_begin), prm.o_row_stride,
-            algo::tile_lse(prm, w.batch, w.head, w.row_begin), prm.seqlen_q - w.row_begin,
+            algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
+            algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), w.seq().seqlen_q(prm) - w.row_begin,
             threadIdx.x, Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
     }
 
     // ---------------------------------------------------------------- entry
-    // The CTA's tile. The softmax and correction warps compute it again after their setmaxnreg
-    // rather than keeping the entry's across it: a window's tile kept one more value live, which
-    // ptxas spilled (4 bytes at head dims 64 and 128); recomputed by the control warps too, the
-    // full mask's kernels spilled instead (2026-12-04).
+    // The CTA's tile, which each role computes after its setmaxnreg (and the CTA again at the end,
+    // for rows that see no key) rather than the entry's being kept across it: values of a tile
+    // live across setmaxnreg spilled (4-8 bytes, under windows, varlen, head dim 256; 2026-12-04).
     static __device__ __forceinline__ Work work_of_cta(const FagenFwdParams& prm) {
         const auto sched = algo::TileScheduler<Config::kMask, false>::for_params(prm, kBlockM);
-        return algo::tile_work<algo::AttentionMask<Config::kMask>>(prm, sched.tile(sched.first()), kBlockM, kBlockN);
+        return algo::tile_work<algo::AttentionMask<Config::kMask>, kRowLayout>(prm, sched.tile(sched.first()), kBlockM,
+                                                                              kBlockN);
     }
 
     static __device__ void run(const FagenFwdParams& prm, const FagenTmaMaps& maps, char* smem) {
-        const Work w = work_of_cta(prm);
-        if (w.n_blocks <= 0) {
-            write_empty_rows(prm, w);
-            return;
-        }
-
         const uint32_t base = algo::swizzle_aligned_base(smem);
         const Smem s{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
                      base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
@@ -463,14 +461,17 @@ struct Forward {
 
         if (warp < kCorrectionWarp0) {
             ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
-            softmax(prm, s, work_of_cta(prm), tmem, threadIdx.x - kSoftmaxWarp0 * 32);
+            const Work w = work_of_cta(prm);
+            if (w.n_blocks > 0) softmax(prm, s, w, tmem, threadIdx.x - kSoftmaxWarp0 * 32);
         } else if (warp < kLoadWarp) {
             ptx::setmaxnreg_dec<Config::kCorrectionRegisters>();
-            correct(prm, s, work_of_cta(prm), tmem, threadIdx.x - kCorrectionWarp0 * 32);
+            const Work w = work_of_cta(prm);
+            if (w.n_blocks > 0) correct(prm, s, w, tmem, threadIdx.x - kCorrectionWarp0 * 32);
         } else {
             ptx::setmaxnreg_dec<Config::kControlRegisters>();
-            if (warp == kLoadWarp && lane == 0) load(maps, s, w);
-            if (warp == kMmaWarp && lane == 0) mma(s, w, tmem);
+            const Work w = work_of_cta(prm);
+            if (w.n_blocks > 0 && warp == kLoadWarp && lane == 0) load(maps, s, w);
+            if (w.n_blocks > 0 && warp == kMmaWarp && lane == 0) mma(s, w, tmem);
         }
         __syncwarp();
 
@@ -480,6 +481,8 @@ struct Forward {
             ptx::tcgen05_fence_after_thread_sync();
             ptx::tcgen05_dealloc(tmem, Config::kTmemColumns);
         }
+        const Work w = work_of_cta(prm);
+        if (w.n_blocks <= 0) write_empty_rows(prm, w);  // the roles did nothing
     }
 };
 
