@@ -226,7 +226,7 @@ class KernelSpec(BaseModel):
     LAYOUTS: ClassVar[tuple[str, ...]] = contract.LAYOUTS[:1]
     # The element types (contract.DTYPES) the algorithm's kernels take, and why not the others.
     DTYPES: ClassVar[tuple[str, ...]] = ("fp16", "bf16")
-    WHY_DTYPES: ClassVar[str] = "e4m3 (FP8) runs on the FA3 forward (fa_version 3, sm90a) only"
+    WHY_DTYPES: ClassVar[str] = "e4m3 (FP8) runs on the FA3 and FA4 forwards (fa_version 3, sm90a; 4, sm100a) only"
     # The K/V element types (contract.CACHE_DTYPES) the algorithm reads besides dtype, and why not.
     KV_DTYPES: ClassVar[tuple[str, ...]] = ()
     WHY_KV_DTYPES: ClassVar[str] = ("an e4m3 cache under fp16 / bf16 queries is read by the split-KV "
@@ -240,7 +240,7 @@ class KernelSpec(BaseModel):
                                              "dK, dV from the forward's output and LSE)")
     dtype: Literal[contract.DTYPES] = Field(
         description="the element type of q, k, v, the output and the gradients: fp16, bf16, or "
-        "e4m3 (FP8, the FA3 forward only: q, k and v in e4m3 with descales given at run time, "
+        "e4m3 (FP8, the FA3 and FA4 forwards only: q, k and v in e4m3 with descales given at run time, "
         "the output in bf16)")
     kv_dtype: Literal[contract.DTYPES] | None = Field(
         None, description="the element type of k and v where it differs from dtype: e4m3, an FP8 "

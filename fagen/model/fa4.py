@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .. import contract
 from .arch import Arch
@@ -42,6 +42,9 @@ CORRECTION_REGISTERS = 96
 CONTROL_REGISTERS = 56
 MAX_BLOCK_N = 128  # a 256-column S row would not fit SOFTMAX_REGISTERS
 MAX_HEAD_DIM = 256  # tcgen05.mma N <= 256 for O += P V
+# e4m3: P V reads V^T tiles, chunks of this many keys (one 128-byte swizzle row of a V^T row;
+# algo/v_transpose.cuh), so block_n is a multiple of it.
+E4M3_KEYS_PER_CHUNK = 128
 
 
 def tmem_allocation(columns: int) -> int:
@@ -92,6 +95,15 @@ class Fa4Geometry(TmaRingLayout):
                        "(4 softmax, 4 correction, load, MMA, 2 idle)")
         if not (STAGE_RANGE[0] <= self.stages <= STAGE_RANGE[1]):
             out.append(f"tile.stages={self.stages}: must be in [{STAGE_RANGE[0]}, {STAGE_RANGE[1]}]")
+        if self.element_bytes == 1:
+            chunk_columns = TMA_COLUMNS * 2
+            for name, dim in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
+                if dim % chunk_columns:
+                    out.append(f"{name}={dim}: e4m3 tiles need a multiple of {chunk_columns} (a 128-byte "
+                               "swizzle row of e4m3)")
+            if self.block_n % E4M3_KEYS_PER_CHUNK:
+                out.append(f"tile.block_n={self.block_n}: e4m3 needs a multiple of {E4M3_KEYS_PER_CHUNK} (V^T "
+                           "tiles are chunks of that many keys)")
         if out:
             return out
         if self.tmem_columns_used > TMEM_COLUMNS:
@@ -132,6 +144,16 @@ TUNING: tuple[TuningRow, ...] = (
                       rescale_threshold=8.0), 256,
               "block_n 128 would need 2 x 128 + 256 = 512 TMEM columns and 2 stages of 128 KB; "
               "block_n 64: 384 columns, 199 KB smem at head_dim 256"),
+    # ---- e4m3 (FP8): K and V^T per stage, 1-byte rows; no conditional rescale (P, offset to
+    # reach 256 for e4m3's mantissa, would pass 448 under a lagging reference).
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=4, exp2_emulation=0.25), 128,
+              "e4m3: Q 16 KB + 4 stages of K and V^T 32 KB = 144 KB, the bf16 hd64 row's ring depth "
+              "for the same bytes per block; TMEM S x2 + O = 384 columns",
+              dtypes=("e4m3",)),
+    TuningRow(Fa4Tile(block_m=128, block_n=128, warps=12, stages=3, exp2_emulation=0.25), 256,
+              "e4m3: S x2 + O = 512 TMEM columns; Q 32 KB + 3 stages of K and V^T 64 KB = 224 KB, "
+              "the deepest ring that fits",
+              dtypes=("e4m3",)),
 )
 
 
@@ -145,14 +167,39 @@ class Fa4ForwardSpec(KernelSpec):
     TEMPLATE: ClassVar[str] = "fa4_fwd_sm100.cu.j2"
     ARCHS: ClassVar[tuple[Arch, ...]] = (Arch.sm100a,)
     WHY_ARCHS: ClassVar[str] = "tcgen05 (MMA into Tensor Memory) exists only on sm_100a"
-    # UTCHMMA: tcgen05.mma kind::f16; LDTM: tcgen05.ld; UTCBAR: tcgen05.commit.
+    # UTCHMMA: tcgen05.mma kind::f16 (UTCQMMA: kind::f8f6f4); LDTM: tcgen05.ld; UTCBAR:
+    # tcgen05.commit.
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "UTCBAR", "UTMALDG")
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 forward takes them"
     LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
+    DTYPES: ClassVar[tuple[str, ...]] = contract.DTYPES
 
     fa_version: Literal[4]
     direction: Literal["fwd"] = "fwd"
     tile: Fa4Tile
+
+    @model_validator(mode="after")
+    def _check_e4m3_variant(self) -> "Fa4ForwardSpec":
+        """e4m3 kernels as FA3 builds them (fagen/model/fa3.py): the dense layout, the built-in
+        masks, no score modifier; and no conditional rescale, which would let the offset P pass
+        e4m3's 448."""
+        if self.dtype != "e4m3":
+            return self
+        if self.layout != "dense":
+            raise ValueError(f"layout={self.layout}: e4m3 kernels take the dense layout only")
+        if self.score:
+            raise ValueError(f"score={'+'.join(self.score)}: e4m3 kernels take no score modifier")
+        if self.tile.rescale_threshold is not None:
+            raise ValueError("tile.rescale_threshold: not with e4m3 (P, offset to reach 256, would pass 448 "
+                             "while the reference maximum lags)")
+        return self
+
+    @property
+    def required_sass(self) -> tuple[str, ...]:
+        """e4m3's tcgen05.mma (kind::f8f6f4) is UTCQMMA in SASS."""
+        if self.dtype == "e4m3":
+            return tuple("UTCQMMA" if family == "UTCHMMA" else family for family in self.REQUIRED_SASS)
+        return self.REQUIRED_SASS
 
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa4Tile, head_dim_v: int | None = None, dtype: str = "bf16") -> Fa4Geometry:
@@ -178,6 +225,9 @@ class Fa4ForwardSpec(KernelSpec):
             Constexpr("kSmemControlBytes", g.smem_control_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),
             *self.tile.softmax_constexprs(),
+            Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
+            Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),
+            Constexpr("kVtThreads", contract.vt_threads(g.head_dim_v)),
         ]
 
     def launch(self) -> contract.Launch:

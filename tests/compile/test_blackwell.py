@@ -90,6 +90,17 @@ def test_covers_head_dims_masks_and_dtypes(blackwell):
     assert {(128, ("softcap",)), (128, ("alibi",)), (64, ("sinks",))} <= variants
 
 
+def test_e4m3_forwards_as_on_hopper(blackwell):
+    """FP8: FA4 e4m3 forwards at head dims 128 and 256 under the built-in masks (the default
+    spec's FA3 set), each cubin with its V^T companion and a bf16 output."""
+    expansion, report = blackwell
+    have = {(s.head_dim, s.mask) for s in expansion.specs if s.dtype == "e4m3"}
+    assert {(d, m) for d in (128, 256) for m in ("full", "causal", "local")} == have
+    for spec in expansion.specs:
+        if spec.dtype == "e4m3":
+            assert spec.tile.rescale_threshold is None and spec.geometry.element_bytes == 1
+
+
 def test_varlen_kernels_in_both_directions(blackwell):
     """FA4 takes packed variable-length batches (flash_attn_varlen_func) forward at head dims
     64/128/256 and backward at 64/128, full and causal, and Mistral's window at 128."""
@@ -112,9 +123,10 @@ def test_backward_covers_head_dims_masks_and_dtypes(blackwell):
 def test_sass_has_tcgen05_and_tma_and_no_local_memory(blackwell):
     _, report = blackwell
     for entry in report.manifest.kernels:
-        required = algorithm_for(4, entry.spec["direction"]).REQUIRED_SASS
-        assert {"UTCHMMA", "LDTM", "STTM", "UTCBAR", "UTMALDG", "USETMAXREG"} <= set(entry.sass)
-        assert set(required) <= set(entry.sass), entry.name
+        required = set(algorithm_for(4, entry.spec["direction"]).REQUIRED_SASS)
+        if entry.spec["dtype"] == "e4m3":  # kind::f8f6f4's MMA is UTCQMMA
+            required = required - {"UTCHMMA"} | {"UTCQMMA"}
+        assert required | {"LDTM", "STTM", "UTCBAR", "UTMALDG", "USETMAXREG"} <= set(entry.sass), entry.name
         # A backward's cubin holds its preprocess, whose D = rowsum(dO * O) is mma.sync (HMMA).
         forbidden = {"LDL", "STL", "HGMMA"} | ({"HMMA"} if entry.spec["direction"] == "fwd" else set())
         assert not forbidden & set(entry.sass), entry.name

@@ -56,9 +56,25 @@ def polynomial_relative_error(coeffs: np.ndarray, points: int = 1_000_000) -> fl
     return float(np.max(np.abs(approx / np.exp2(f.astype(np.float64)) - 1.0)))
 
 
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL_EXPONENT = -6
+E4M3_MANTISSA_BITS = 3
+# e4m3's P: probabilities taken up to 2^8, e4m3's largest power of two below 448
+# (algo/element.cuh: kProbabilityLog2Offset).
+E4M3_PROBABILITY_LOG2_OFFSET = 8.0
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 -> bf16/fp16 -> fp32, round to nearest even (as __floats2bfloat162_rn / _rn)."""
+    """fp32 -> bf16/fp16/e4m3 -> fp32, round to nearest even (as __floats2bfloat162_rn / _rn;
+    e4m3 as __nv_cvt_float_to_fp8 with __NV_SATFINITE: past 448 saturates to 448)."""
     x = np.asarray(x, dtype=np.float32)
+    if dtype == "e4m3":
+        magnitude = np.abs(x).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            exponent = np.maximum(np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0))), E4M3_MIN_NORMAL_EXPONENT)
+        step = np.exp2(exponent - E4M3_MANTISSA_BITS)
+        rounded = np.minimum(np.round(magnitude / step) * step, E4M3_MAX)
+        return (np.sign(x) * rounded).astype(np.float32)
     if dtype == "fp16":
         return x.astype(np.float16).astype(np.float32)
     bits = x.view(np.uint32).astype(np.uint64)
@@ -123,6 +139,9 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
     seqlen_k = k.shape[0]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     scale_log2 = np.float32((softcap if softcap > 0 else scale) * np.log2(np.e))
+    # e4m3: P rounded to e4m3 after the offset (l carries it too), the output bf16.
+    operand, output = (dtype, "bf16") if dtype == "e4m3" else (dtype, dtype)
+    p_offset = np.float32(E4M3_PROBABILITY_LOG2_OFFSET if dtype == "e4m3" else 0.0)
     softcap_scale = np.float32(scale / softcap) if softcap > 0 else None
     slope_units = None if alibi_slope is None else np.float32(alibi_slope * (np.log2(np.e) / scale_log2))
     offset = seqlen_k - seqlen_q
@@ -161,17 +180,17 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             block_max = np.maximum(reference, scores.max(axis=1))
             reference, rescale = next_reference_max(reference, block_max, scale_log2,
                                                     rescale_threshold, stats)
-            subtrahend = np.where(reference == -np.inf, np.float32(0), reference * scale_log2)
+            subtrahend = np.where(reference == -np.inf, np.float32(0), reference * scale_log2) - p_offset
             exponent = (scores * scale_log2 - subtrahend[:, None]).astype(np.float32)
             probs = softmax_exp2(exponent, exp2_period, coeffs)
             stats.max_probability = max(stats.max_probability, float(probs.max()))
             row_sum = (row_sum * rescale + probs.sum(axis=1, dtype=np.float32)).astype(np.float32)
             acc = (acc * rescale[:, None]).astype(np.float32)  # the correction warps
-            acc = (acc + round_to(probs, dtype) @ v_blk).astype(np.float32)
+            acc = (acc + round_to(probs, operand) @ v_blk).astype(np.float32)
         keys_top = np.where(reference == -np.inf, np.float32(0), reference * scale_log2).astype(np.float32)
         divisor = row_sum
         with np.errstate(divide="ignore"):
-            lse_rows = np.where(row_sum == 0, -np.inf, (keys_top + np.log2(row_sum)) * np.log(2))
+            lse_rows = np.where(row_sum == 0, -np.inf, (keys_top - p_offset + np.log2(row_sum)) * np.log(2))
         if sink is not None:  # the divisor l + 2^(sink - m2); the LSE against the larger reference
             sink_log2 = np.float32(sink * np.log2(np.e))
             with np.errstate(over="ignore"):
@@ -181,7 +200,7 @@ def fa4_forward(q, k, v, *, causal: bool, block_n: int, dtype: str, scale: float
             lse_rows = (top + np.log2(row_sum * keys + np.exp2(sink_log2 - top))) * np.log(2)
         with np.errstate(divide="ignore", invalid="ignore"):
             inv = np.where(divisor == 0, np.float32(0), np.float32(1) / divisor)
-        out[rows] = round_to(acc * inv[:, None].astype(np.float32), dtype)
+        out[rows] = round_to(acc * inv[:, None].astype(np.float32), output)
         lse[rows] = lse_rows
     if sink is not None:  # rows of a block that visits no key (write_empty_rows): the sink alone
         for row_begin in range(0, seqlen_q, BLOCK_M):

@@ -21,6 +21,7 @@ from fa4_model import (
     polynomial_relative_error,
     reference_attention,
     round_to,
+    visible_pairs,
 )
 
 ATOL = 1e-5
@@ -185,3 +186,60 @@ def test_score_modifiers_match_fp64_within_twice_low_precision_error(case, modif
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))  # with a sink no row's LSE is -inf
     finite = np.isfinite(ref_lse)
     assert np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0) < 1e-3
+
+
+def e4m3_emulation(q, k, v, *, causal, window=None):
+    """Plain attention through FP8's quantisation steps (issue 25's bar): e4m3 inputs, scores and
+    sums in fp32, P taken up to 2^8 and rounded to e4m3, P V in fp32, a bf16 output."""
+    seqlen_q, head_dim = q.shape
+    scores = (q @ k.T).astype(np.float32) * np.float32(1 / np.sqrt(head_dim))
+    scores = np.where(visible_pairs(seqlen_q, k.shape[0], causal, window), scores, -np.inf)
+    top = scores.max(axis=1, keepdims=True)
+    empty = ~np.isfinite(top)
+    with np.errstate(invalid="ignore"):
+        probs = np.exp2(((scores - np.where(empty, 0, top)) * np.float32(np.log2(np.e))).astype(np.float32) + 8)
+    probs = np.where(empty, 0, probs).astype(np.float32)
+    total = probs.sum(axis=1, keepdims=True)
+    out = (round_to(probs, "e4m3") @ v).astype(np.float32) / np.where(total == 0, 1, total)
+    return round_to(out, "bf16")
+
+
+E4M3_CASES = [  # (seqlen_q, seqlen_k, head_dim, causal, window, spread)
+    (300, 300, 128, True, None, 1.0),
+    (130, 1000, 128, False, None, 4.0),
+    (200, 77, 256, True, None, 1.0),     # the first 123 rows see no key
+    (257, 400, 128, False, (31, 17), 16.0),
+    (129, 260, 256, True, None, 8.0),
+]
+
+
+@pytest.mark.parametrize("case", E4M3_CASES, ids=lambda c: "q{}k{}d{}{}x{}".format(c[0], c[1], c[2], "c" if c[3] else "", c[5]))
+def test_e4m3_matches_fp64_within_twice_the_quantisation_emulation(case, coeffs):
+    """The e4m3 forward: P offset to 2^8 and rounded to e4m3, l of the unrounded P, a bf16
+    output, against fp64 on the same (dequantised) inputs; some inputs x100 (saturating at 448),
+    none of it inf or NaN."""
+    seqlen_q, seqlen_k, head_dim, causal, window, spread = case
+    rng = np.random.default_rng(seqlen_q + seqlen_k + head_dim)
+    q, k, v = (rng.standard_normal((n, head_dim)).astype(np.float32) * spread for n in (seqlen_q, seqlen_k, seqlen_k))
+    q[rng.random(q.shape) < 0.002] *= 100  # outliers
+    q, k, v = (round_to(t, "e4m3") for t in (q, k, v))
+    assert np.max(np.abs(q)) <= 448
+    stats = ModelStats()
+    out, lse = fa4_forward(q, k, v, causal=causal, block_n=128, dtype="e4m3", coeffs=coeffs, exp2_period=4,
+                           window=window, stats=stats)
+    ref, ref_lse = reference_attention(q, k, v, causal=causal, window=window)
+    emulated = e4m3_emulation(q, k, v, causal=causal, window=window)
+    error, allowed = np.max(np.abs(out - ref)), 2 * np.max(np.abs(emulated - ref)) + ATOL
+    assert error <= allowed, (error, allowed)
+    assert np.all(np.isfinite(out)) and stats.max_probability <= 2.0**8 * (1 + 1e-4)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    assert np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0) < 1e-3
+
+
+def test_e4m3_rounding():
+    x = np.array([0.0, 1.0, 1.0625, 1.125, 1.1875, 448.0, 464.0, 1e6, -3.3, 2.0**-9, 2.0**-10, 2.0**-6 * 1.0625])
+    got = round_to(x, "e4m3")
+    assert list(got[:5]) == [0.0, 1.0, 1.0, 1.125, 1.25]  # ties to even: 1.0625 -> 1.0, 1.1875 -> 1.25
+    assert list(got[5:8]) == [448.0, 448.0, 448.0]  # saturates
+    assert got[8] == -3.25 and got[9] == 2.0**-9 and got[10] == 0.0 and got[11] == 2.0**-6

@@ -140,7 +140,8 @@ def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
         assert bundle.select(key, (10, 0)).arch == "sm100a", key
         assert (bundle.select(key, (12, 0)).arch, bundle.select(key, (12, 0)).fa_version) == ("sm120", 2), key
     assert bundle.select("bwd/bf16/hd256/local+softcap", (10, 0)).fa_version == 2
-    for key in ("fwd/fp16/hd256/causal/varlen", "bwd/bf16/hd128/local/varlen", "bwd/fp16/hd64/full/varlen"):
+    for key in ("fwd/fp16/hd256/causal/varlen", "bwd/bf16/hd128/local/varlen", "bwd/fp16/hd64/full/varlen",
+                "fwd/e4m3/hd128/causal", "fwd/e4m3/hd256/local"):
         assert bundle.select(key, (10, 0)).fa_version == 4, key
 
 

@@ -39,8 +39,15 @@
 // V tiles (each head_dim/64 column chunks of rows x 128 bytes, as TMA writes them), then the
 // mbarriers, the TMEM address and the per-row softmax-to-correction hand-off. The epilogue
 // stages O through the Q tile.
+//
+// e4m3 (FP8; the FA3 forward's design, fa3/forward.cuh): both products on kind::f8f6f4 (32 of K
+// per instruction), the softmax scale times q's and k's descales, O times v's, P offset to reach
+// 2^8 (algo/online_softmax.cuh) and stored four to a TMEM column in the key order of V^T, which
+// the kernel's companion (<name>_vt) wrote into the call's workspace and P V reads K-major (as
+// FA3's wgmma must); no conditional rescaling (P would pass 448); a bf16 O staged in the K ring.
 #pragma once
 
+#include "fagen/algo/descale.cuh"
 #include "fagen/algo/exp2_emulation.cuh"
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/score.cuh"
@@ -48,6 +55,7 @@
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
+#include "fagen/algo/v_transpose.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
@@ -91,6 +99,7 @@ enum Barrier : int {
 template <class Config>
 struct Forward {
     using Element = typename Config::Element;
+    using Output = typename Config::Output;  // o: Element, or bf16 for e4m3
     using Ops = algo::ElementOps<Element>;
 
     static constexpr int kHeadDim = Config::kHeadDim;    // Q and K columns
@@ -98,27 +107,41 @@ struct Forward {
     static constexpr int kBlockM = Config::kBlockM;
     static constexpr int kBlockN = Config::kBlockN;
     static constexpr int kStages = Config::kStages;
-    static constexpr int kChunks = kHeadDim / 64;    // 128-byte column chunks of a Q or K tile
-    static constexpr int kVChunks = kHeadDimV / 64;  // and of a V tile
-    static constexpr int kQKSteps = kHeadDim / 16;
-    static constexpr int kPVSteps = kBlockN / 16;
-    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * 2;  // a K tile
-    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * 2;  // a V tile
+    // e4m3 (see the top of the file): both products on kind::f8f6f4, 32 of K per instruction,
+    // and P V reads V^T tiles (algo/v_transpose.cuh).
+    static constexpr bool kE4m3 = sizeof(Element) == 1;
+    static constexpr int kChunkColumns = 128 / sizeof(Element);  // of a 128-byte swizzle row
+    static constexpr int kChunks = kHeadDim / kChunkColumns;     // column chunks of a Q or K tile
+    static constexpr int kVChunks = kHeadDimV / kChunkColumns;   // and of a V tile
+    static constexpr int kVtChunks = kBlockN / 128;              // 128-key chunks of a V^T tile
+    static constexpr int kStepK = 32 / sizeof(Element);          // K of one MMA: 32 bytes of a row
+    static constexpr int kQKSteps = kHeadDim / kStepK;
+    static constexpr int kPVSteps = kBlockN / kStepK;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);  // a K tile
+    static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);  // a V (V^T) tile
     static constexpr uint32_t kSwizzleAtomBytes = algo::kSwizzleAtomBytes;
     static constexpr uint32_t kOColumn = 2 * kBlockN;
     static constexpr uint32_t kQKInstr =
-        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kBlockN, Config::kIsBf16, false>::value;
+        kE4m3 ? ptx::Tcgen05E4m3InstructionDescriptor<kBlockM, kBlockN, false>::value
+              : ptx::Tcgen05F16InstructionDescriptor<kBlockM, kBlockN, Config::kIsBf16, false>::value;
     static constexpr uint32_t kPVInstr =
-        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDimV, Config::kIsBf16, true>::value;
+        kE4m3 ? ptx::Tcgen05E4m3InstructionDescriptor<kBlockM, kHeadDimV, false>::value
+              : ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDimV, Config::kIsBf16, true>::value;
+    // The epilogue stages O (Output) in the Q tile, or with e4m3 (a 1-byte Q tile, a 2-byte O)
+    // in the K ring, free once the last P V has completed.
+    static constexpr uint32_t kOBytes = kBlockM * kHeadDimV * sizeof(Output);
 
     static_assert(kBlockM == 128, "one M = 128 MMA: TMEM lane = query row = softmax thread");
     static_assert(Config::kThreads == 32 * kWarps);
-    static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= 256,
-                  "TMA boxes are 64 columns; MMA N <= 256");
+    static_assert(kHeadDim % kChunkColumns == 0 && kHeadDimV % kChunkColumns == 0 && kHeadDimV <= 256,
+                  "TMA boxes are one 128-byte row; MMA N <= 256");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P is stored 32 columns at a time");
+    static_assert(!kE4m3 || (kBlockN % 128 == 0 && !Config::kConditionalRescale),
+                  "e4m3: V^T tiles are chunks of 128 keys; P, offset to reach 256, would pass e4m3's 448 "
+                  "under a lagging reference");
+    static_assert(kOBytes <= (kE4m3 ? kStages * kKVBytes : kQBytes), "O's staging");
     static_assert(kOColumn + kHeadDimV <= Config::kTmemColumns && Config::kTmemColumns <= 512);
-    static_assert(kHeadDimV <= kHeadDim, "the epilogue stages O through the Q tile");
     static_assert((Config::kTmemColumns & (Config::kTmemColumns - 1)) == 0 &&
                   Config::kTmemColumns >= 32, "tcgen05.alloc takes a power of two >= 32");
     static_assert(Config::kSmemKOffset == Config::kSmemQOffset + kQBytes);
@@ -159,24 +182,39 @@ struct Forward {
     // ---------------------------------------------------------------- load warp
     static __device__ void load(const FagenTmaMaps& maps, const Smem& s, const Work& w) {
         const int batch = w.seq().tma_batch(w.batch);
-        algo::tma_load_tile<kChunks>(maps.q, s.q, kBlockM, s.barrier(kQFull), w.seq().q_begin() + w.row_begin,
-                                     w.head, batch);
+        algo::tma_load_tile<kChunks, kChunkColumns>(maps.q, s.q, kBlockM, s.barrier(kQFull),
+                                                    w.seq().q_begin() + w.row_begin, w.head, batch);
         for (int j = 0; j < w.n_blocks; ++j) {
             const int slot = j % kStages;
             const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
             const int key_begin = w.seq().k_begin() + w.n_block(j) * kBlockN;
             ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
-            algo::tma_load_tile<kChunks>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
+            algo::tma_load_tile<kChunks, kChunkColumns>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
                                          key_begin, w.kv_head, batch);
             ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
-            algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
-                                         key_begin, w.kv_head, batch);
+            if constexpr (kE4m3) {  // V^T (dense only): its rows are the head dim, the keys its columns
+                algo::tma_load_transposed_tile<kHeadDimV, kVtChunks>(maps.v, s.v_tile(slot), s.v_full(slot), key_begin,
+                                                                     w.kv_head, batch);
+            } else {
+                algo::tma_load_tile<kVChunks>(maps.v, s.v_tile(slot), kBlockN, s.v_full(slot),
+                                             key_begin, w.kv_head, batch);
+            }
         }
     }
 
     // ---------------------------------------------------------------- MMA thread
-    // S[buffer] = Q K^T: A = Q (K-major), B = K tile (K-major, N = keys); 16 columns of head_dim
-    // (32 bytes into the swizzled 128-byte row) per instruction.
+    // One MMA of the element's kind (kind::f16, or kind::f8f6f4 for e4m3).
+    static __device__ __forceinline__ void mma_ss(uint32_t tmem_d, unsigned long long a, unsigned long long b,
+                                                  uint32_t instr, bool accumulate) {
+        if constexpr (kE4m3) {
+            ptx::tcgen05_mma_f8f6f4_ss(tmem_d, a, b, instr, accumulate);
+        } else {
+            ptx::tcgen05_mma_f16_ss(tmem_d, a, b, instr, accumulate);
+        }
+    }
+
+    // S[buffer] = Q K^T: A = Q (K-major), B = K tile (K-major, N = keys); 32 bytes of a swizzled
+    // 128-byte row (16 columns, or 32 of e4m3) per instruction.
     static __device__ __forceinline__ void issue_qk(const Smem& s, uint32_t tmem, int slot,
                                                     int buffer) {
 #pragma unroll
@@ -186,20 +224,28 @@ struct Forward {
                 s.q + (kk / 4) * kBlockM * 128 + k_offset, 16, kSwizzleAtomBytes);
             const unsigned long long desc_k = ptx::tcgen05_smem_desc_swizzle128(
                 s.k_tile(slot) + (kk / 4) * kBlockN * 128 + k_offset, 16, kSwizzleAtomBytes);
-            ptx::tcgen05_mma_f16_ss(tmem + buffer * kBlockN, desc_q, desc_k, kQKInstr, kk > 0);
+            mma_ss(tmem + buffer * kBlockN, desc_q, desc_k, kQKInstr, kk > 0);
         }
     }
 
-    // O (+)= P V: A = P from TMEM (8 columns = 16 keys per step), B = V tile read MN-major
-    // (head_dim_v contiguous; consecutive 64-column chunks kBlockN * 128 bytes apart).
+    // O (+)= P V: A = P from TMEM (8 columns = 16 keys per step, or 32 of e4m3), B = the V tile
+    // read MN-major (head_dim_v contiguous; consecutive 64-column chunks kBlockN * 128 bytes
+    // apart), or with e4m3 the V^T tile read K-major (head_dim_v rows of 128 keys per chunk).
     static __device__ __forceinline__ void issue_pv(const Smem& s, uint32_t tmem, int slot,
                                                     int buffer, bool accumulate) {
 #pragma unroll
         for (int kk = 0; kk < kPVSteps; ++kk) {
-            const unsigned long long desc_v = ptx::tcgen05_smem_desc_swizzle128(
-                s.v_tile(slot) + kk * 16 * 128, kBlockN * 128, kSwizzleAtomBytes);
-            ptx::tcgen05_mma_f16_ts(tmem + kOColumn, tmem + buffer * kBlockN + kk * 8, desc_v,
-                                    kPVInstr, accumulate || kk > 0);
+            if constexpr (kE4m3) {
+                const unsigned long long desc_vt = ptx::tcgen05_smem_desc_swizzle128(
+                    s.v_tile(slot) + (kk / 4) * kHeadDimV * 128 + (kk % 4) * 32, 16, kSwizzleAtomBytes);
+                ptx::tcgen05_mma_f8f6f4_ts(tmem + kOColumn, tmem + buffer * kBlockN + kk * 8, desc_vt,
+                                           kPVInstr, accumulate || kk > 0);
+            } else {
+                const unsigned long long desc_v = ptx::tcgen05_smem_desc_swizzle128(
+                    s.v_tile(slot) + kk * 16 * 128, kBlockN * 128, kSwizzleAtomBytes);
+                ptx::tcgen05_mma_f16_ts(tmem + kOColumn, tmem + buffer * kBlockN + kk * 8, desc_v,
+                                        kPVInstr, accumulate || kk > 0);
+            }
         }
     }
 
@@ -229,6 +275,49 @@ struct Forward {
     }
 
     // ---------------------------------------------------------------- softmax warps
+    // The softmax's scale (base 2) and what O is multiplied by, for a tile's (batch, head): the
+    // call's, and with e4m3 its descales folded in (FagenFwdParams.q_descale ...; null: 1).
+    struct TileScales {
+        float scale_log2;
+        float output;
+    };
+
+    static __device__ __forceinline__ TileScales tile_scales(const FagenFwdParams& prm, const Work& w) {
+        if constexpr (kE4m3) {
+            const float q = algo::descale(prm.q_descale, prm.q_descale_batch_stride, prm.q_descale_head_stride,
+                                          w.batch, w.kv_head);
+            const float k = algo::descale(prm.k_descale, prm.k_descale_batch_stride, prm.k_descale_head_stride,
+                                          w.batch, w.kv_head);
+            return {prm.scale_log2 * q * k, algo::descale(prm.v_descale, prm.v_descale_batch_stride,
+                                                          prm.v_descale_head_stride, w.batch, w.kv_head)};
+        } else {
+            return {prm.scale_log2, 1.f};
+        }
+    }
+
+    // e4m3: the row's probabilities of a block (scores in, exponents taken in place) into TMEM
+    // four to a column, in V^T's key order (algo/v_transpose.cuh: the column 4q + i of each 16
+    // keys holds key {2q, 2q + 1, 8 + 2q, 9 + 2q}[i]); `sum` adds them unrounded.
+    static __device__ __forceinline__ void store_e4m3_probabilities(float (&scores)[kBlockN], uint32_t tmem_s,
+                                                                    float scale_log2, float subtrahend, float& sum) {
+#pragma unroll
+        for (int c = 0; c < kBlockN; ++c) {
+            scores[c] = algo::softmax_exp2<Config::kExp2EmulationPeriod>(c / 2, fmaf(scores[c], scale_log2, -subtrahend));
+            sum += scores[c];
+        }
+#pragma unroll
+        for (int chunk = 0; chunk < kBlockN / 64; ++chunk) {
+            uint32_t packed[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int base = 64 * chunk + 16 * (i / 4), q = i % 4;
+                packed[i] = Ops::pack(scores[base + 2 * q], scores[base + 2 * q + 1], scores[base + 8 + 2 * q],
+                                      scores[base + 9 + 2 * q]);
+            }
+            ptx::tcgen05_st_32x32b_x16(tmem_s + chunk * 16, packed);
+        }
+    }
+
     static __device__ void softmax(const FagenFwdParams& prm, const Smem& s, const Work& w,
                                    uint32_t tmem, int row) {
         const uint32_t tmem_row = tmem + (static_cast<uint32_t>(row & ~31) << 16);
@@ -239,6 +328,7 @@ struct Forward {
         const int key_end = mask.key_end(w.row_begin + row);
         const auto score = algo::ScoreMod<Config::kSoftcap, Config::kAlibi>::of(prm, w.batch, w.head, mask.seqlen_q,
                                                                                 mask.seqlen_k);
+        const float scale_log2 = tile_scales(prm, w).scale_log2;
         float reference = algo::neg_inf();
         float row_sum = 0.f;
         float row_rounding = 0.f;  // round16(P) - P of each block's largest P (algo/online_softmax.cuh)
@@ -276,30 +366,35 @@ struct Forward {
 #pragma unroll
             for (int c = 0; c < kBlockN; ++c) own_max = fmaxf(own_max, scores[c]);
             const algo::ReferenceMax next = algo::next_reference_max<Config::kConditionalRescale>(
-                reference, fmaxf(reference, own_max), prm.scale_log2, Config::kRescaleThreshold);
+                reference, fmaxf(reference, own_max), scale_log2, Config::kRescaleThreshold);
             store_shared_f32(s.row_scale(buffer) + row * 4, next.rescale);
             ptx::mbarrier_arrive(s.barrier(kScaleFull0 + buffer));
             reference = next.value;
-            const float subtrahend = algo::reference_scaled(reference, prm.scale_log2);
+            // e4m3: P taken up to 2^offset (algo/online_softmax.cuh: kProbabilityLog2Offset).
+            const float subtrahend = algo::reference_scaled(reference, scale_log2) - Ops::kProbabilityLog2Offset;
 
             float sum = 0.f;
+            if constexpr (kE4m3) {
+                store_e4m3_probabilities(scores, tmem_s, scale_log2, subtrahend, sum);
+            } else {
 #pragma unroll
-            for (int c = 0; c < kBlockN / 32; ++c) {
-                uint32_t packed[16];
+                for (int c = 0; c < kBlockN / 32; ++c) {
+                    uint32_t packed[16];
 #pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    const int pair = c * 16 + i;
-                    const float p0 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
-                        pair, fmaf(scores[2 * pair], prm.scale_log2, -subtrahend));
-                    const float p1 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
-                        pair, fmaf(scores[2 * pair + 1], prm.scale_log2, -subtrahend));
-                    sum += p0 + p1;
-                    packed[i] = Ops::pack(p0, p1);
+                    for (int i = 0; i < 16; ++i) {
+                        const int pair = c * 16 + i;
+                        const float p0 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
+                            pair, fmaf(scores[2 * pair], scale_log2, -subtrahend));
+                        const float p1 = algo::softmax_exp2<Config::kExp2EmulationPeriod>(
+                            pair, fmaf(scores[2 * pair + 1], scale_log2, -subtrahend));
+                        sum += p0 + p1;
+                        packed[i] = Ops::pack(p0, p1);
+                    }
+                    ptx::tcgen05_st_32x32b_x16(tmem_s + c * 16, packed);
                 }
-                ptx::tcgen05_st_32x32b_x16(tmem_s + c * 16, packed);
             }
             row_sum = row_sum * next.rescale + sum;
-            row_rounding = row_rounding * next.rescale + algo::operand_rounding<Ops>(own_max, prm.scale_log2, subtrahend);
+            row_rounding = row_rounding * next.rescale + algo::operand_rounding<Ops>(own_max, scale_log2, subtrahend);
             ptx::tcgen05_wait_st();
             ptx::tcgen05_fence_before_thread_sync();
             ptx::mbarrier_arrive(s.barrier(kPFull0 + buffer));
@@ -309,10 +404,12 @@ struct Forward {
         // 2^(sink - m2)) = O keys / (l keys + sink), algo::sink_term; inf where the sink takes
         // the whole row: O = 0).
         float divisor = row_sum + row_rounding;
-        float row_lse = algo::row_lse(reference, row_sum, prm.scale_log2);
+        float row_lse = algo::natural_lse(algo::reference_scaled(reference, scale_log2) - Ops::kProbabilityLog2Offset,
+                                          row_sum);
         if constexpr (Config::kSinks) {
+            static_assert(!kE4m3, "fagen/model/fa4.py: e4m3 kernels take no score modifier");
             const float sink_log2 = algo::head_sink_log2(prm, w.head);
-            const float keys_top = algo::reference_scaled(reference, prm.scale_log2);
+            const float keys_top = algo::reference_scaled(reference, scale_log2);
             const algo::SinkTerm t = algo::sink_term(row_sum, keys_top, sink_log2);
             divisor += ptx::ex2_approx_ftz(sink_log2 - keys_top);
             row_lse = algo::natural_lse(t.top, fmaf(row_sum, t.keys, t.sink));
@@ -357,13 +454,13 @@ struct Forward {
         ptx::mbarrier_wait_parity(s.barrier(kStatsFull), 0);
         ptx::tcgen05_fence_after_thread_sync();
         const float sum = load_shared_f32(s.row_sum() + row * 4);
-        store_output(prm, s, w, tmem_o, algo::inverse_row_sum(sum), row);
+        store_output(prm, s, w, tmem_o, algo::inverse_row_sum(sum) * tile_scales(prm, w).output, row);
     }
 
     // ---------------------------------------------------------------- epilogue
-    // Every MMA has completed (the last P V was waited on), so the Q tile is free: O goes there
-    // in the swizzled layout TMA used for Q (each thread writes its row's 16-byte units to
-    // distinct bank groups), then out as coalesced 16-byte vectors, row-bounded.
+    // Every MMA has completed (the last P V was waited on), so the Q tile (e4m3: the K ring) is
+    // free: O goes there in the swizzled layout TMA used for Q (each thread writes its row's
+    // 16-byte units to distinct bank groups), then out as coalesced 16-byte vectors, row-bounded.
     static __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
         const int chunk = col / 64;
         const int byte_in_row = (col % 64) * 2;
@@ -373,7 +470,8 @@ struct Forward {
 
     static __device__ void store_output(const FagenFwdParams& prm, const Smem& s, const Work& w,
                                         uint32_t tmem_o, float inv, int row) {
-        char* smem_generic = static_cast<char*>(__cvta_shared_to_generic(s.q));
+        using OutOps = algo::ElementOps<Output>;
+        char* smem_generic = static_cast<char*>(__cvta_shared_to_generic(kE4m3 ? s.k : s.q));
 #pragma unroll
         for (int c = 0; c < kHeadDimV / 16; ++c) {
             uint32_t o[16];
@@ -381,20 +479,20 @@ struct Forward {
             ptx::tcgen05_wait_ld();
             ptx::tcgen05_ld_fence_registers(o);
             uint4 lo, hi;
-            lo.x = Ops::pack(__uint_as_float(o[0]) * inv, __uint_as_float(o[1]) * inv);
-            lo.y = Ops::pack(__uint_as_float(o[2]) * inv, __uint_as_float(o[3]) * inv);
-            lo.z = Ops::pack(__uint_as_float(o[4]) * inv, __uint_as_float(o[5]) * inv);
-            lo.w = Ops::pack(__uint_as_float(o[6]) * inv, __uint_as_float(o[7]) * inv);
-            hi.x = Ops::pack(__uint_as_float(o[8]) * inv, __uint_as_float(o[9]) * inv);
-            hi.y = Ops::pack(__uint_as_float(o[10]) * inv, __uint_as_float(o[11]) * inv);
-            hi.z = Ops::pack(__uint_as_float(o[12]) * inv, __uint_as_float(o[13]) * inv);
-            hi.w = Ops::pack(__uint_as_float(o[14]) * inv, __uint_as_float(o[15]) * inv);
+            lo.x = OutOps::pack(__uint_as_float(o[0]) * inv, __uint_as_float(o[1]) * inv);
+            lo.y = OutOps::pack(__uint_as_float(o[2]) * inv, __uint_as_float(o[3]) * inv);
+            lo.z = OutOps::pack(__uint_as_float(o[4]) * inv, __uint_as_float(o[5]) * inv);
+            lo.w = OutOps::pack(__uint_as_float(o[6]) * inv, __uint_as_float(o[7]) * inv);
+            hi.x = OutOps::pack(__uint_as_float(o[8]) * inv, __uint_as_float(o[9]) * inv);
+            hi.y = OutOps::pack(__uint_as_float(o[10]) * inv, __uint_as_float(o[11]) * inv);
+            hi.z = OutOps::pack(__uint_as_float(o[12]) * inv, __uint_as_float(o[13]) * inv);
+            hi.w = OutOps::pack(__uint_as_float(o[14]) * inv, __uint_as_float(o[15]) * inv);
             *reinterpret_cast<uint4*>(smem_generic + swizzled_offset(row, c * 16)) = lo;
             *reinterpret_cast<uint4*>(smem_generic + swizzled_offset(row, c * 16 + 8)) = hi;
         }
         ptx::bar_sync(kEpilogueBarrier, kBlockM);
         const int rows_valid = w.seq().seqlen_q(prm) - w.row_begin;
-        Element* out = algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
+        Output* out = algo::tile_output<Output>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin);
         constexpr int kVecsPerRow = kHeadDimV / 8;
         for (int idx = row; idx < kBlockM * kVecsPerRow; idx += kBlockM) {
             const int r = idx / kVecsPerRow;
@@ -408,10 +506,16 @@ struct Forward {
 
     // Rows that see no key (algo::write_empty_rows), written by the whole CTA.
     static __device__ void write_empty_rows(const FagenFwdParams& prm, const Work& w) {
-        algo::write_empty_rows<Element, kBlockM, kHeadDimV, Config::kThreads>(
-            algo::tile_output<Element>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
+        algo::write_empty_rows<Output, kBlockM, kHeadDimV, Config::kThreads>(
+            algo::tile_output<Output>(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), prm.o_row_stride,
             algo::tile_lse(prm, w.batch, w.head, w.seq().q_begin() + w.row_begin), w.seq().seqlen_q(prm) - w.row_begin,
             threadIdx.x, Config::kSinks ? prm.sinks[w.head] : algo::neg_inf());
+    }
+
+    // e4m3: the companion (<name>_vt) that writes the call's V^T before the forward runs.
+    static __device__ __forceinline__ void transpose_v(const FagenFwdParams& prm, unsigned char* vt) {
+        static_assert(Config::kVtKeyGroup == algo::kVtKeyGroup && Config::kVtKeysPerCta % algo::kVtKeyGroup == 0);
+        algo::transpose_v_block<Config::kVtKeysPerCta, kHeadDimV, Config::kVtThreads>(prm, vt);
     }
 
     // ---------------------------------------------------------------- entry
@@ -429,7 +533,6 @@ struct Forward {
         const Smem s{base + Config::kSmemQOffset, base + Config::kSmemKOffset,
                      base + Config::kSmemVOffset, base + Config::kSmemBarrierOffset};
         const int warp = threadIdx.x / 32;
-        const int lane = threadIdx.x % 32;
 
         if (threadIdx.x == 0) {
             algo::prefetch_tma_maps(maps);
@@ -470,14 +573,14 @@ struct Forward {
         } else {
             ptx::setmaxnreg_dec<Config::kControlRegisters>();
             const Work w = work_of_cta(prm);
-            if (w.n_blocks > 0 && warp == kLoadWarp && lane == 0) load(maps, s, w);
-            if (w.n_blocks > 0 && warp == kMmaWarp && lane == 0) mma(s, w, tmem);
+            if (w.n_blocks > 0 && threadIdx.x == kLoadWarp * 32) load(maps, s, w);
+            if (w.n_blocks > 0 && threadIdx.x == kMmaWarp * 32) mma(s, w, tmem);
         }
         __syncwarp();
 
         ptx::tcgen05_fence_before_thread_sync();
         __syncthreads();
-        if (warp == kMmaWarp) {
+        if (threadIdx.x / 32 == kMmaWarp) {
             ptx::tcgen05_fence_after_thread_sync();
             ptx::tcgen05_dealloc(tmem, Config::kTmemColumns);
         }

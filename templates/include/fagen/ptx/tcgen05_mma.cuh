@@ -1,6 +1,6 @@
-// tcgen05.mma.cta_group::1.kind::f16 — one thread issues D (TMEM, fp32) (+)= A * B on the 5th
-// generation tensor core, with B in shared memory and A in shared memory (_ss) or in Tensor
-// Memory (_ts). Minimum arch: sm_100a.
+// tcgen05.mma.cta_group::1.kind::f16 and .kind::f8f6f4 (e4m3 operands) — one thread issues D
+// (TMEM, fp32) (+)= A * B on the 5th generation tensor core, with B in shared memory and A in
+// shared memory (_ss) or in Tensor Memory (_ts). Minimum arch: sm_100a.
 //
 // The MMA is asynchronous: completion is observed through tcgen05_commit (tcgen05_commit.cuh).
 // MMAs issued by one thread execute in issue order, so an MMA may overwrite TMEM that an
@@ -8,7 +8,7 @@
 //
 // With M = 128 and cta_group::1, row i of D (and of a TMEM A operand) is TMEM lane i; column j
 // of fp32 D is TMEM column j; a 16-bit A in TMEM packs elements (2c, 2c+1) of a row into column
-// c. K is 16 per instruction for 16-bit inputs.
+// c (an 8-bit A four, (4c .. 4c+3)). K is 16 per instruction for 16-bit inputs, 32 for 8-bit.
 #pragma once
 #include "fagen/ptx/wgmma_desc.cuh"
 #include "fagen/types.cuh"
@@ -84,6 +84,21 @@ struct Tcgen05F16InstructionDescriptor {
                                       (static_cast<uint32_t>(kM >> 4) << 24);
 };
 
+// The 32-bit instruction descriptor of kind::f8f6f4 with both operands e4m3 (the fields as
+// above; A and B type 0 = E4M3 in this kind's encoding: 1 E5M2, 3 E2M3, 4 E3M2, 5 E2M1). K is
+// 32 per instruction for 8-bit inputs.
+template <int kM, int kN, bool kTransposeB>
+struct Tcgen05E4m3InstructionDescriptor {
+    static_assert(kM == 128, "the FA4 kernels use M = 128");
+    static_assert(kN % 16 == 0 && kN >= 16 && kN <= 256, "N must be a multiple of 16 in [16, 256]");
+    static constexpr uint32_t kDTypeF32 = 1;
+    static constexpr uint32_t kE4m3 = 0;
+    static constexpr uint32_t value = (kDTypeF32 << 4) | (kE4m3 << 7) | (kE4m3 << 10) |
+                                      ((kTransposeB ? 1u : 0u) << 16) |
+                                      (static_cast<uint32_t>(kN >> 3) << 17) |
+                                      (static_cast<uint32_t>(kM >> 4) << 24);
+};
+
 // ---------------------------------------------------------------- the MMAs
 // D[tmem_d] = A * B (accumulate = 0) or D += A * B (accumulate != 0); A and B by descriptor.
 __device__ __forceinline__ void tcgen05_mma_f16_ss(uint32_t tmem_d, unsigned long long desc_a,
@@ -109,6 +124,36 @@ __device__ __forceinline__ void tcgen05_mma_f16_ts(uint32_t tmem_d, uint32_t tme
         ".reg .pred p;\n"
         "setp.ne.b32 p, %4, 0;\n"
         "tcgen05.mma.cta_group::1.kind::f16 [%0], [%1], %2, %3, p;\n"
+        "}\n"
+        :
+        : "r"(tmem_d), "r"(tmem_a), "l"(desc_b), "r"(instruction_desc), "r"(accumulate)
+        : "memory");
+}
+
+// tcgen05.mma.cta_group::1.kind::f8f6f4 with e4m3 operands (Tcgen05E4m3InstructionDescriptor):
+// as tcgen05_mma_f16_ss / _ts, K = 32 per instruction (a 16-bit A's 16 K are 8 TMEM columns, an
+// 8-bit A's 32 K too: four values per column).
+__device__ __forceinline__ void tcgen05_mma_f8f6f4_ss(uint32_t tmem_d, unsigned long long desc_a,
+                                                      unsigned long long desc_b, uint32_t instruction_desc,
+                                                      uint32_t accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %4, 0;\n"
+        "tcgen05.mma.cta_group::1.kind::f8f6f4 [%0], %1, %2, %3, p;\n"
+        "}\n"
+        :
+        : "r"(tmem_d), "l"(desc_a), "l"(desc_b), "r"(instruction_desc), "r"(accumulate)
+        : "memory");
+}
+
+__device__ __forceinline__ void tcgen05_mma_f8f6f4_ts(uint32_t tmem_d, uint32_t tmem_a, unsigned long long desc_b,
+                                                      uint32_t instruction_desc, uint32_t accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %4, 0;\n"
+        "tcgen05.mma.cta_group::1.kind::f8f6f4 [%0], [%1], %2, %3, p;\n"
         "}\n"
         :
         : "r"(tmem_d), "r"(tmem_a), "l"(desc_b), "r"(instruction_desc), "r"(accumulate)
