@@ -506,6 +506,18 @@ class KernelSpec(BaseModel):
     def launch(self) -> contract.Launch:
         raise NotImplementedError
 
+    def e4m3_variant_problem(self) -> str | None:
+        """Why this e4m3 spec has no kernel, or None: e4m3 forwards (FA3, FA4) exist for the dense
+        layout with the built-in masks and no score modifier (their descales scale the scores,
+        which the modifiers' code does not yet take)."""
+        if self.layout != "dense":
+            return f"layout={self.layout}: e4m3 kernels take the dense layout only"
+        if self.score:
+            return f"score={'+'.join(self.score)}: e4m3 kernels take no score modifier"
+        if self.mask == "custom":
+            return "mask: a custom mask is not built for e4m3 kernels"
+        return None
+
     @property
     def required_sass(self) -> tuple[str, ...]:
         """The SASS families this kernel's cubin must contain (REQUIRED_SASS, where the element

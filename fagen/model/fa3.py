@@ -400,16 +400,8 @@ class Fa3ForwardSpec(KernelSpec):
 
     @model_validator(mode="after")
     def _check_e4m3_variant(self) -> "Fa3ForwardSpec":
-        """e4m3 kernels exist for the dense layout with the built-in masks and no score
-        modifier: their descales scale the scores, which the modifiers' code does not yet take."""
-        if self.dtype != "e4m3":
-            return self
-        if self.layout != "dense":
-            raise ValueError(f"layout={self.layout}: e4m3 kernels take the dense layout only")
-        if self.score:
-            raise ValueError(f"score={'+'.join(self.score)}: e4m3 kernels take no score modifier")
-        if self.mask == "custom":
-            raise ValueError("mask: a custom mask is not built for e4m3 kernels")
+        if self.dtype == "e4m3" and (problem := self.e4m3_variant_problem()):
+            raise ValueError(problem)
         return self
 
     @staticmethod

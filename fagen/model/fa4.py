@@ -180,15 +180,12 @@ class Fa4ForwardSpec(KernelSpec):
 
     @model_validator(mode="after")
     def _check_e4m3_variant(self) -> "Fa4ForwardSpec":
-        """e4m3 kernels as FA3 builds them (fagen/model/fa3.py): the dense layout, the built-in
-        masks, no score modifier; and no conditional rescale, which would let the offset P pass
-        e4m3's 448."""
+        """e4m3 kernels as FA3 builds them (KernelSpec.e4m3_variant_problem), and no conditional
+        rescale, which would let the offset P pass e4m3's 448."""
         if self.dtype != "e4m3":
             return self
-        if self.layout != "dense":
-            raise ValueError(f"layout={self.layout}: e4m3 kernels take the dense layout only")
-        if self.score:
-            raise ValueError(f"score={'+'.join(self.score)}: e4m3 kernels take no score modifier")
+        if problem := self.e4m3_variant_problem():
+            raise ValueError(problem)
         if self.tile.rescale_threshold is not None:
             raise ValueError("tile.rescale_threshold: not with e4m3 (P, offset to reach 256, would pass 448 "
                              "while the reference maximum lags)")

@@ -50,6 +50,7 @@
 #include "fagen/algo/mask.cuh"
 #include "fagen/algo/score.cuh"
 #include "fagen/algo/tma_tile.cuh"
+#include "fagen/algo/tmem_allocation.cuh"
 #include "fagen/params.h"
 #include "fagen/ptx/bar.cuh"
 #include "fagen/ptx/cp_async_bulk_tensor.cuh"
@@ -58,7 +59,6 @@
 #include "fagen/ptx/mbarrier.cuh"
 #include "fagen/ptx/red.cuh"
 #include "fagen/ptx/setmaxnreg.cuh"
-#include "fagen/ptx/tcgen05_alloc.cuh"
 #include "fagen/ptx/tcgen05_commit.cuh"
 #include "fagen/ptx/tcgen05_fence.cuh"
 #include "fagen/ptx/tcgen05_ld_st.cuh"
@@ -471,14 +471,7 @@ struct Backward {
             }
             ptx::fence_mbarrier_init_release_cluster();
         }
-        if (warp == kMmaWarp) {
-            ptx::tcgen05_alloc(s.tmem_slot(), Config::kTmemColumns);
-            ptx::tcgen05_relinquish_alloc_permit();
-        }
-        ptx::tcgen05_fence_before_thread_sync();
-        __syncthreads();
-        ptx::tcgen05_fence_after_thread_sync();
-        const uint32_t tmem = *static_cast<const uint32_t*>(__cvta_shared_to_generic(s.tmem_slot()));
+        const uint32_t tmem = algo::allocate_tmem<Config::kTmemColumns>(s.tmem_slot(), warp == kMmaWarp);
 
         // Each role computes the tile's walk after its setmaxnreg: values of one kept across it
         // spilled (varlen, 2026-12-04).
@@ -500,12 +493,7 @@ struct Backward {
         }
         __syncwarp();
 
-        ptx::tcgen05_fence_before_thread_sync();
-        __syncthreads();
-        if (warp == kMmaWarp) {
-            ptx::tcgen05_fence_after_thread_sync();
-            ptx::tcgen05_dealloc(tmem, Config::kTmemColumns);
-        }
+        algo::release_tmem<Config::kTmemColumns>(tmem, threadIdx.x / 32 == kMmaWarp);
     }
 };
 

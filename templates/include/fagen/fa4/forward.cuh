@@ -55,6 +55,7 @@
 #include "fagen/algo/tile_output.cuh"
 #include "fagen/algo/tile_scheduler.cuh"
 #include "fagen/algo/tma_tile.cuh"
+#include "fagen/algo/tmem_allocation.cuh"
 #include "fagen/algo/v_transpose.cuh"
 #include "fagen/algo/element.cuh"
 #include "fagen/params.h"
@@ -63,7 +64,6 @@
 #include "fagen/ptx/fence.cuh"
 #include "fagen/ptx/mbarrier.cuh"
 #include "fagen/ptx/setmaxnreg.cuh"
-#include "fagen/ptx/tcgen05_alloc.cuh"
 #include "fagen/ptx/tcgen05_commit.cuh"
 #include "fagen/ptx/tcgen05_fence.cuh"
 #include "fagen/ptx/tcgen05_ld_st.cuh"
@@ -553,14 +553,7 @@ struct Forward {
             }
             ptx::fence_mbarrier_init_release_cluster();
         }
-        if (warp == kMmaWarp) {
-            ptx::tcgen05_alloc(s.tmem_slot(), Config::kTmemColumns);
-            ptx::tcgen05_relinquish_alloc_permit();
-        }
-        ptx::tcgen05_fence_before_thread_sync();
-        __syncthreads();
-        ptx::tcgen05_fence_after_thread_sync();
-        const uint32_t tmem = *static_cast<const uint32_t*>(__cvta_shared_to_generic(s.tmem_slot()));
+        const uint32_t tmem = algo::allocate_tmem<Config::kTmemColumns>(s.tmem_slot(), warp == kMmaWarp);
 
         if (warp < kCorrectionWarp0) {
             ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
@@ -578,12 +571,7 @@ struct Forward {
         }
         __syncwarp();
 
-        ptx::tcgen05_fence_before_thread_sync();
-        __syncthreads();
-        if (threadIdx.x / 32 == kMmaWarp) {
-            ptx::tcgen05_fence_after_thread_sync();
-            ptx::tcgen05_dealloc(tmem, Config::kTmemColumns);
-        }
+        algo::release_tmem<Config::kTmemColumns>(tmem, threadIdx.x / 32 == kMmaWarp);
         const Work w = work_of_cta(prm);
         if (w.n_blocks <= 0) write_empty_rows(prm, w);  // the roles did nothing
     }
