@@ -5,19 +5,32 @@ kernels are chosen, FA3 with its TMA maps where the bundle has it) and torch CPU
 is left is fagen's and torch's Python, the part of bench.launch_overhead's numbers that this
 repository's code decides (docs/performance.md, entry 167).
 
-    python -m bench.host_model [--bundle DIR] [--calls 2000]
+The user-facing rows time flash_attn_func on inputs that require grad, its forward alone and
+with .backward(), eager and under torch.compile(fullgraph=True), beside torch's SDPA on the
+same tensors: torch's own dispatch and autograd plus its real CPU math, which
+SDPA_FLOOR_SHAPE's row all but removes.
+
+    python -m bench.host_model [--bundle DIR] [--calls 2000] [--no-compile] [--profile PATH]
+
+--profile writes the cProfile statistics of the eager flash_attn_func forward + backward.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 
 import torch
 
+from bench.attention import sdpa
 from bench.launch_overhead import SHAPE, host_us_per_call
 from fagen.runtime import BackwardPointers, call, driver, prepare_backward
-from fagen.torch import adapter, backward, get_bundle
+from fagen.torch import adapter, backward, flash_attn_func, get_bundle
+
+USER_SHAPE = (1, 16, 2, 64)  # batch, seqlen, heads, head_dim: SDPA's CPU math tens of microseconds
+SDPA_FLOOR_SHAPE = (1, 1, 1, 8)  # SDPA's dispatch and autograd with almost no math
 
 
 class InstantDriver:
@@ -116,18 +129,54 @@ def calls(bundle) -> dict:
     }
 
 
+def user_calls(bundle, compiled: bool) -> dict:
+    """name -> call without arguments of flash_attn_func and SDPA on bf16 tensors that require
+    grad, causal: the forward, and the forward with .backward() (which adds to the inputs' .grad,
+    as a training step's does). SDPA also on SDPA_FLOOR_SHAPE, where its math is next to nothing."""
+    def fagen_attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, bundle=bundle)
+
+    def sdpa_attention(q, k, v):
+        return sdpa(q, k, v, True).transpose(1, 2)  # the flash-attn layout, like grad
+
+    functions = (("flash_attn_func", USER_SHAPE, fagen_attention), ("SDPA", USER_SHAPE, sdpa_attention),
+                 (f"SDPA {SDPA_FLOOR_SHAPE}", SDPA_FLOOR_SHAPE, sdpa_attention))
+    suffix = ", compiled" if compiled else ""
+    rows = {}
+    for name, shape, fn in functions:
+        q, k, v = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(*shape, dtype=torch.bfloat16)
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        rows[f"{name} fwd{suffix}"] = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)
+        rows[f"{name} fwd+bwd{suffix}"] = lambda fn=fn, q=q, k=k, v=v, grad=grad: fn(q, k, v).backward(grad)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--profile", help="write the eager forward + backward's cProfile top entries here")
     args = parser.parse_args(argv)
     bundle = get_bundle(args.bundle)
+    # SDPA's CPU math in this thread alone: its parallel loops would otherwise wait for a pool
+    # thread that other processes' work can keep off the CPU for a scheduler slice (milliseconds).
+    torch.set_num_threads(1)
     with cpu_model():
-        for name, fn in calls(bundle).items():
+        rows = {**calls(bundle), **user_calls(bundle, compiled=False)}
+        if not args.no_compile:
+            rows.update(user_calls(bundle, compiled=True))
+        for name, fn in rows.items():
             for _ in range(20):
                 fn()
-            print(f"{name:24s} {host_us_per_call(fn, args.calls, synchronize=None):8.1f} us per call (host)",
+            print(f"{name:40s} {host_us_per_call(fn, args.calls, synchronize=None):8.1f} us per call (host)",
                   flush=True)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [rows["flash_attn_func fwd+bwd"]() for _ in range(args.calls)])
+            with open(args.profile, "w") as f:
+                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
     return 0
 
 

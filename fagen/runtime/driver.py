@@ -37,11 +37,16 @@ def _error_text(err) -> tuple[str, str]:
     return name, text.decode() if int(described) == 0 and text else "no description"
 
 
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
+
+
 def check(call: str, result):
     """Unpack a cuda.bindings return tuple ``(CUresult, *values)``; raise DriverError on failure.
 
     Returns None, the single value, or a tuple of values.
     """
+    if type(result) is tuple and result[0] == _SUCCESS:  # each launch checks: no star-unpacking
+        return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         name, text = _error_text(err)
@@ -203,8 +208,30 @@ def kernel_param_array(*params: ctypes.Array | ctypes.Structure) -> tuple[ctypes
     copies the parameter bytes during the call) and its address, which cuda.bindings takes as
     the ready-made ``void**``.
     """
-    pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+    pointers = (ctypes.c_void_p * len(params))(*map(ctypes.addressof, params))
     return pointers, ctypes.addressof(pointers)
+
+
+# Launch configurations by (grid, block, dynamic shared memory, stream): a loop repeats them,
+# and building one costs a launch a microsecond. Threads share them: the driver only reads one.
+_launch_configs: dict[tuple, object] = {}
+_LAUNCH_CONFIGS_KEPT = 4096  # then start over
+
+
+def _launch_config(grid: tuple[int, int, int], block: tuple[int, int, int], dynamic_smem: int, stream: int):
+    key = (grid, block, dynamic_smem, stream)
+    config = _launch_configs.get(key)
+    if config is None:
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = dynamic_smem
+        config.hStream = cu.CUstream(stream)
+        config.numAttrs = 0
+        if len(_launch_configs) >= _LAUNCH_CONFIGS_KEPT:
+            _launch_configs.clear()
+        _launch_configs[key] = config
+    return config
 
 
 def launch(
@@ -216,12 +243,7 @@ def launch(
     params: tuple[ctypes.Array | ctypes.Structure, ...],
 ) -> None:
     """Launch `kernel` with `params`, the kernel's by-value parameters in order."""
-    config = cu.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes = dynamic_smem
-    config.hStream = cu.CUstream(stream)
-    config.numAttrs = 0
+    config = _launch_config(grid, block, dynamic_smem, stream)
     # `pointers` is only held so the array outlives the call that reads it.
     pointers, address = kernel_param_array(*params)  # noqa: F841
     check("cuLaunchKernelEx", cu.cuLaunchKernelEx(config, kernel, address, 0))

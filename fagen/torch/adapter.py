@@ -57,12 +57,11 @@ def bundle_path(bundle: str | os.PathLike | None = None) -> Path:
 
 
 def _bundle_request(bundle: str | os.PathLike | None) -> tuple:
-    """A bundle request with the environment it depends on (see bundle_path)."""
-    return (
-        None if bundle is None else os.fspath(bundle),
-        os.environ.get("FAGEN_BUNDLE"),
-        os.environ.get("FAGEN_HOME"),
-    )
+    """A bundle request with the environment it depends on (see bundle_path): none for a given
+    path, which spares a call the two environment lookups (each about a microsecond)."""
+    if bundle is not None:
+        return (os.fspath(bundle),)
+    return (None, os.environ.get("FAGEN_BUNDLE"), os.environ.get("FAGEN_HOME"))
 
 
 def get_bundle(bundle: str | os.PathLike | Bundle | None = None) -> Bundle:
@@ -98,8 +97,42 @@ def eager_call(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether a call on these tensors runs the kernels directly: not traced (torch.compile,
     export), under no dispatch mode (fake tensors), and on plain tensors (no subclasses); the
     others go through the custom ops."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(t is None or type(t) is torch.Tensor for t in tensors))
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    for t in tensors:  # a loop, not all(): every call asks, and a generator costs it half a microsecond
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+def define_op(name: str, implementation, fake) -> torch._ops.OpOverload:
+    """The torch op ``fagen::<name>`` running `implementation` (its schema from the annotations,
+    no argument mutated) with `fake` for tracing. Registered with torch.library.define/impl,
+    not torch.library.custom_op, whose wrappers (an autograd kernel in Python even on an op
+    without autograd, then a redispatch, an aliasing check) cost each call 10-30 us more on a
+    2-core CPU (bench/host_model.py; pytorch/pytorch#139500). Like custom_op's kernel, it runs
+    with dynamo off: an eager call inside a compiled region must not make dynamo trace fagen."""
+    qualname = f"fagen::{name}"
+    torch.library.define(qualname, torch.library.infer_schema(implementation, mutates_args=()),
+                         tags=(torch.Tag.pt2_compliant_tag,))
+    torch.library.impl(qualname, "default", _dynamo_disabled(implementation))
+    torch.library.register_fake(qualname, fake)
+    return getattr(torch.ops.fagen, name).default
+
+
+def _dynamo_disabled(implementation):
+    """`implementation` under torch.compiler.disable, applied at the first call: applying it
+    imports torch._dynamo (seconds), which importing fagen.torch must not."""
+    disabled = None
+
+    @functools.wraps(implementation)
+    def kernel(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(implementation)
+        return disabled(*args, **kwargs)
+
+    return kernel
 
 
 def kernel_key(dtype: torch.dtype, head_dim: int, mask: str, mods: tuple[str, ...] = ()) -> str:
@@ -149,6 +182,8 @@ def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional
                   mask_args: Optional[torch.Tensor] = None):
     """The modifiers' arrays as the kernels read them (fp32, contiguous: copies where needed),
     a custom mask's arguments (contiguous), and the runtime's ScoreTensors of them."""
+    if alibi_slopes is None and learnable_sink is None and mask_args is None:
+        return _NO_SCORE_ARRAYS  # most calls: spares building the frozen dataclass (a microsecond)
     alibi = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
     sink = None if learnable_sink is None else learnable_sink.to(torch.float32).contiguous()
     args = None if mask_args is None else mask_args.contiguous()
@@ -158,6 +193,9 @@ def _score_arrays(alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional
         sinks=0 if sink is None else sink.data_ptr(),
         mask_args=0 if args is None else args.data_ptr())
     return arrays, (alibi, sink, args)
+
+
+_NO_SCORE_ARRAYS = (runtime_call.ScoreTensors(), (None, None, None))
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: dict = _DTYPE_NAMES) -> None:
@@ -263,14 +301,20 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 class _PreparedLaunch(NamedTuple):
-    """A launch prepared by the runtime, and what the adapter adds: the device and, until the
-    launch is enqueued, the kernel-ready q, k, v the parameters point to (copies where the
-    inputs needed one) and the modifiers' fp32 arrays (an FP8 call's descales are the caller's,
-    never copied); () once kept for later calls, which must not keep the caller's tensors alive
-    (the addresses are part of the cache key instead)."""
+    """A launch prepared by the runtime, and what the adapter adds: until the launch is
+    enqueued, the kernel-ready q, k, v the parameters point to (copies where the inputs needed
+    one) and the modifiers' fp32 arrays (an FP8 call's descales are the caller's, never copied);
+    () once kept for later calls, which must not keep the caller's tensors alive (the addresses
+    are part of the cache key instead). A kept one also holds what its later calls allocate
+    and the backwards prepared for the eager autograd of its calls (fagen/torch/backward.py),
+    whose signature this launch's proves."""
 
     attention: runtime_call.PreparedAttention
     inputs: tuple
+    # The output's and the LSE's sizes as plain ints (torch.empty parses them twice as fast as a
+    # shape), the output's dtype, the device.
+    outputs: tuple = ()
+    backwards: Optional[dict] = None
 
 
 def _prepare(kernels: Bundle, entry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -384,27 +428,29 @@ def _flash_attn_fwd(
     autograd, fagen/torch/backward.py); the forward is deterministic anyway. `mask_mod`: a
     custom mask's name, `mask_args` its arguments."""
     return _forward(q, k, v, causal, (window_left, window_right), softmax_scale, bundle, softcap, alibi_slopes,
-                    learnable_sink, mask_mod, mask_args)
+                    learnable_sink, mask_mod, mask_args)[:2]
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int],
              softmax_scale: Optional[float], bundle: Optional[str], softcap: float = 0.0,
              alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
              mask_mod: Optional[str] = None, mask_args: Optional[torch.Tensor] = None,
-             descales: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             descales: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[_PreparedLaunch]]:
     """out, lse of either forward op: fp16/bf16 inputs (`descales` None), or e4m3 inputs with
-    their three descales (each None: 1.0) and a bf16 output."""
+    their three descales (each None: 1.0) and a bf16 output; and the launch kept for later calls
+    of this signature (None: the call is not kept, see below)."""
     # Allocations and the launch run in the device's primary context (torch's), whatever the
     # caller had current: memory and streams belong to the context they were made in.
     signature = _call_signature(bundle, q, k, v, causal, window, softmax_scale, softcap, alibi_slopes,
                                 learnable_sink, mask_mod, mask_args, descales)
     prepared = _prepared_launches.get(signature)
     if prepared is not None:  # the same call ran before, so it passed the checks below
+        out_sizes, lse_sizes, out_dtype, device = prepared.outputs
         with driver.primary_context(prepared.attention.device):
-            out = torch.empty(_output_shape(q, v), dtype=_output_dtype(q), device=q.device)
-            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+            out = torch.empty(*out_sizes, dtype=out_dtype, device=device)
+            lse = torch.empty(*lse_sizes, dtype=torch.float32, device=device)
             _launch(prepared, out, lse)
-        return out, lse
+        return out, lse, prepared
 
     if descales is None:
         _check_inputs(q, k, v)
@@ -425,7 +471,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, wi
         out = torch.empty(_output_shape(q, v), dtype=_output_dtype(q), device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel() == 0:
-            return out, lse
+            return out, lse, None
         if k.shape[1] == 0:
             # No key to attend to: the defined result of a row that sees nothing (with a sink:
             # the sink alone, whose value is 0).
@@ -434,22 +480,21 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, wi
                 lse.fill_(-math.inf)
             else:
                 lse.copy_(learnable_sink.to(torch.float32).view(1, heads_q, 1).expand_as(lse))
-            return out, lse
+            return out, lse, None
         prepared = _prepare(kernels, entry, q, k, v, out, causal, window, softmax_scale, softcap,
                             alibi_slopes, learnable_sink, mask_mod, mask_args, descales)
-        given = (q, k, v, alibi_slopes, learnable_sink, mask_args)
-        if all(ready is None or ready is arg for ready, arg in zip(prepared.inputs, given)):
-            if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
-                _prepared_launches.clear()
-            _prepared_launches[signature] = prepared._replace(inputs=())
         _launch(prepared, out, lse)
-    return out, lse
+        given = (q, k, v, alibi_slopes, learnable_sink, mask_args)
+        if not all(ready is None or ready is arg for ready, arg in zip(prepared.inputs, given)):
+            return out, lse, None
+        kept = prepared._replace(inputs=(), outputs=(tuple(out.shape), tuple(lse.shape), out.dtype, out.device),
+                                 backwards={})
+        if len(_prepared_launches) >= _PREPARED_LAUNCHES_KEPT:
+            _prepared_launches.clear()
+        _prepared_launches[signature] = kept
+    return out, lse, kept
 
 
-flash_attn_fwd = torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=())(_flash_attn_fwd)
-
-
-@flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
                          softmax_scale, bundle, deterministic=False, mask_mod=None, mask_args=None):
     _check_inputs(q, k, v)
@@ -459,6 +504,9 @@ def _flash_attn_fwd_fake(q, k, v, alibi_slopes, learnable_sink, causal, window_l
     out = q.new_empty(_output_shape(q, v))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse
+
+
+flash_attn_fwd = define_op("flash_attn_fwd", _flash_attn_fwd, _flash_attn_fwd_fake)
 
 
 def _flash_attn_fwd_fp8(
@@ -477,13 +525,9 @@ def _flash_attn_fwd_fp8(
     """out (bf16), lse of one forward of float8_e4m3fn q, k, v with flash-attn's descales (None:
     1.0; fagen.runtime.e4m3 says how the kernels apply them). Forward only: no autograd."""
     return _forward(q, k, v, causal, (window_left, window_right), softmax_scale, bundle,
-                    descales=(q_descale, k_descale, v_descale))
+                    descales=(q_descale, k_descale, v_descale))[:2]
 
 
-flash_attn_fwd_fp8 = torch.library.custom_op("fagen::flash_attn_fwd_fp8", mutates_args=())(_flash_attn_fwd_fp8)
-
-
-@flash_attn_fwd_fp8.register_fake
 def _flash_attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, window_left, window_right,
                              softmax_scale, bundle):
     _check_fp8_inputs(q, k, v, (q_descale, k_descale, v_descale))
@@ -491,3 +535,6 @@ def _flash_attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, w
     out = q.new_empty(_output_shape(q, v), dtype=_output_dtype(q))
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse
+
+
+flash_attn_fwd_fp8 = define_op("flash_attn_fwd_fp8", _flash_attn_fwd_fp8, _flash_attn_fwd_fp8_fake)

@@ -28,6 +28,10 @@ _UNSUPPORTED_OPTIONS = {
     "dropout_p": (0.0, "fagen's kernels have no dropout"),
     "return_attn_probs": (False, "use return_lse=True for the log-sum-exp"),
 }
+# window_size's default, whose identity spares the default call the pair's checks.
+_UNBOUNDED = (-1, -1)
+# The arguments that are each a tensor or None, in the order the type check reads them.
+_ARRAY_ARGUMENTS = ("alibi_slopes", "learnable_sink", "mask_args", *e4m3.DESCALE_NAMES)
 
 
 def _check_options(extra_positional: tuple, options: dict) -> None:
@@ -47,6 +51,16 @@ def _check_options(extra_positional: tuple, options: dict) -> None:
                 f"{name}={off!r} is accepted")
 
 
+def _check_window(window_size) -> None:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)):
+        raise TypeError(f"fagen.flash_attn_func: window_size must be a pair of ints (left, right), "
+                        f"got {window_size!r}")
+    if window_size[0] < -1 or window_size[1] < -1:
+        raise ValueError(f"fagen.flash_attn_func: window_size={tuple(window_size)}: each size must be "
+                         ">= 0, or -1 for unbounded")
+
+
 def _is_off(value, off) -> bool:
     if off is None or isinstance(off, bool):
         return value is off
@@ -61,7 +75,7 @@ def flash_attn_func(
     v: torch.Tensor,
     *extra_positional,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] = _UNBOUNDED,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -125,14 +139,9 @@ def flash_attn_func(
         _check_options(extra_positional, flash_attn_options)
     if not isinstance(causal, bool):
         raise TypeError(f"fagen.flash_attn_func: causal must be True or False, got {causal!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)):
-        raise TypeError(f"fagen.flash_attn_func: window_size must be a pair of ints (left, right), "
-                        f"got {window_size!r}")
+    if window_size is not _UNBOUNDED:
+        _check_window(window_size)
     window_left, window_right = window_size
-    if window_left < -1 or window_right < -1:
-        raise ValueError(f"fagen.flash_attn_func: window_size={tuple(window_size)}: each size must be "
-                         ">= 0, or -1 for unbounded")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"fagen.flash_attn_func: softcap must be a number, got {softcap!r}")
     softcap = float(softcap)
@@ -142,14 +151,14 @@ def flash_attn_func(
         raise NotImplementedError("fagen.flash_attn_func: deterministic=True takes the built-in masks only "
                                   f"(mask_mod={mask_mod!r})")
     descales = (q_descale, k_descale, v_descale)
-    for name, array in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
-                        ("mask_args", mask_args), *zip(e4m3.DESCALE_NAMES, descales)):
+    for name, array in zip(_ARRAY_ARGUMENTS, (alibi_slopes, learnable_sink, mask_args, *descales)):
         if array is not None and not isinstance(array, torch.Tensor):
             raise TypeError(f"fagen.flash_attn_func: {name} must be a tensor or None, got {type(array).__name__}")
-    try:
-        contract.Score(softcap)
-    except contract.ScoreError as error:
-        raise ValueError(f"fagen.flash_attn_func: {error}") from None
+    if softcap:  # 0.0, no softcap, is valid: spares the check a microsecond
+        try:
+            contract.Score(softcap)
+        except contract.ScoreError as error:
+            raise ValueError(f"fagen.flash_attn_func: {error}") from None
     if not isinstance(deterministic, bool):
         raise TypeError(f"fagen.flash_attn_func: deterministic must be True or False, got "
                         f"{deterministic!r}")
@@ -168,14 +177,12 @@ def flash_attn_func(
         forward = _flash_attn_fwd_fp8 if eager_call(q, k, v, *descales) else flash_attn_fwd_fp8
         out, lse = forward(q, k, v, *descales, causal, window_left, window_right, softmax_scale, bundle)
         return (out, lse) if return_lse else out
-    eager = eager_call(q, k, v, alibi_slopes, learnable_sink, mask_args)
-    arguments = (q, k, v, alibi_slopes, learnable_sink, causal, window_left, window_right, softcap,
-                 softmax_scale, bundle, deterministic, mask_mod, mask_args)
-    if not eager:
-        out, lse = flash_attn_fwd(*arguments)
+    options = (causal, window_left, window_right, softcap, softmax_scale, bundle, deterministic, mask_mod, mask_args)
+    if not eager_call(q, k, v, alibi_slopes, learnable_sink, mask_args):
+        out, lse = flash_attn_fwd(q, k, v, alibi_slopes, learnable_sink, *options)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                       or (learnable_sink is not None and learnable_sink.requires_grad)):
-        out, lse = FlashAttention.apply(*arguments)
+        out, lse = FlashAttention.apply(q, k, v, alibi_slopes, learnable_sink, options)
     else:
-        out, lse = _flash_attn_fwd(*arguments)
+        out, lse = _flash_attn_fwd(q, k, v, alibi_slopes, learnable_sink, *options)
     return (out, lse) if return_lse else out

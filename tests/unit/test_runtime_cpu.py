@@ -515,7 +515,30 @@ def test_driver_errors_name_the_call():
 
     with pytest.raises(DriverError, match=r"cuFoo failed: .*"):
         check("cuFoo", (cu.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(DriverError, match=r"cuFoo failed: .*"):
+        check("cuFoo", (cu.CUresult.CUDA_ERROR_INVALID_VALUE, 7))
+    with pytest.raises(DriverError, match=r"cuFoo failed: .*"):
+        check("cuFoo", cu.CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert check("cuBar", (cu.CUresult.CUDA_SUCCESS,)) is None
     assert check("cuBar", (cu.CUresult.CUDA_SUCCESS, 7)) == 7
+    assert check("cuBar", (cu.CUresult.CUDA_SUCCESS, 7, 8)) == (7, 8)
+    assert check("cuBar", cu.CUresult.CUDA_SUCCESS) is None
+
+
+def test_launches_keep_their_own_grid_block_memory_and_stream(fake_driver):
+    """Launch configurations are kept per (grid, block, shared memory, stream): a launch that
+    differs in any one of them gets its own."""
+    from fagen.runtime import driver
+
+    configurations = [((3, 8, 2), (128, 1, 1), 65536, 0xABC), ((3, 8, 2), (128, 1, 1), 65536, 0xDEF),
+                      ((4, 8, 2), (128, 1, 1), 65536, 0xABC), ((3, 8, 2), (256, 1, 1), 65536, 0xABC),
+                      ((3, 8, 2), (128, 1, 1), 1024, 0xABC)]
+    for _ in range(2):
+        for grid, block, smem, stream in configurations:
+            driver.launch(driver.cu.CUkernel(0x3000), grid, block, smem, stream, (abi.FwdParams(batch=stream),))
+    assert [(launch["grid"], launch["block"], launch["smem"], launch["stream"]) for launch in fake_driver.launches] == (
+        configurations * 2)
+    assert [launch["params"].batch for launch in fake_driver.launches] == [stream for *_, stream in configurations] * 2
 
 
 def test_launch_passes_extra_parameters_in_order(hopper_bundle, fake_driver):
