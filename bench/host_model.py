@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import pstats
 
 import torch
@@ -27,10 +28,12 @@ import torch
 from bench.attention import sdpa
 from bench.launch_overhead import SHAPE, host_us_per_call
 from fagen.runtime import BackwardPointers, call, driver, prepare_backward
-from fagen.torch import adapter, backward, flash_attn_func, get_bundle
+from fagen.torch import adapter, backward, flash_attn_func, get_bundle, kvcache, varlen
 
 USER_SHAPE = (1, 16, 2, 64)  # batch, seqlen, heads, head_dim: SDPA's CPU math tens of microseconds
 SDPA_FLOOR_SHAPE = (1, 1, 1, 8)  # SDPA's dispatch and autograd with almost no math
+DECODE_BATCH = 4
+VARLEN_SEQLENS = (16, 48, 64)  # SHAPE's 128 tokens
 
 
 class InstantDriver:
@@ -91,6 +94,7 @@ def cpu_model():
                (driver, "encode_tiled_tensor_map", lambda *arguments: bytes(driver.TENSOR_MAP_BYTES))]
     for module in (adapter, backward):
         patches += [(module, "_check_device", lambda q, k, v: None), (module, "_current_stream", lambda device: 0)]
+    patches += [(module, "_current_stream", lambda device: 0) for module in (kvcache, varlen)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
@@ -107,7 +111,10 @@ def cpu_model():
 
 
 def calls(bundle) -> dict:
-    """name -> call without arguments, on bf16 tensors of SHAPE, causal."""
+    """name -> call without arguments, on bf16 tensors of SHAPE, causal; the decode step (one
+    query per sequence, DECODE_BATCH sequences of SHAPE's keys in a cache) and the varlen forward
+    (SHAPE's tokens as VARLEN_SEQLENS) as their implementations, which the eager path calls, and
+    as their ops, which a compiled graph calls."""
     batch, seqlen, heads, head_dim = SHAPE
     q, k, v, out, dout = (torch.randn(*SHAPE, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.randn(batch, heads, seqlen)
@@ -118,6 +125,13 @@ def calls(bundle) -> dict:
     prepared = call.prepare(bundle, problem, *tensors[:4])
     prepared_backward = prepare_backward(bundle, problem, backward_tensors)
     pointers = BackwardPointers.of(backward_tensors)
+    decode = (torch.randn(DECODE_BATCH, 1, heads, head_dim, dtype=torch.bfloat16),
+              *(torch.randn(DECODE_BATCH, seqlen, heads, head_dim, dtype=torch.bfloat16) for _ in range(2)),
+              torch.full((DECODE_BATCH,), seqlen - 1, dtype=torch.int32), *(None,) * 7,
+              1, seqlen, True, -1, -1, None, 0.0, 0, path)
+    offsets = torch.tensor([0, *itertools.accumulate(VARLEN_SEQLENS)], dtype=torch.int32)
+    packed = (*(t.view(seqlen, heads, head_dim) for t in (q, k, v)), offsets, offsets, None, None, None,
+              max(VARLEN_SEQLENS), max(VARLEN_SEQLENS), True, -1, -1, None, 0.0, False, path)
     return {
         "runtime fwd": lambda: call.attention(bundle, problem, *tensors[:4], 9 << 20),
         "runtime fwd, prepared": lambda: prepared.launch(tensors[3].data, 9 << 20, 0),
@@ -126,6 +140,10 @@ def calls(bundle) -> dict:
         "adapter fwd": lambda: adapter._flash_attn_fwd(q, k, v, None, None, True, -1, -1, 0.0, None, path),
         "adapter bwd": lambda: backward._flash_attn_bwd(dout, q, k, v, out, lse, None, None, True, -1, -1, 0.0,
                                                         None, path, False),
+        "kvcache decode": lambda: kvcache._attend(*decode),
+        "kvcache decode, op": lambda: kvcache.flash_attn_kvcache(*decode),
+        "varlen fwd": lambda: varlen._op_forward(*packed),
+        "varlen fwd, op": lambda: varlen.flash_attn_varlen_fwd(*packed),
     }
 
 

@@ -19,6 +19,7 @@ public function only checks and forwards its arguments.
 
 # No `from __future__ import annotations`: torch.library reads the op's annotations as objects.
 import functools
+import inspect
 import math
 import os
 import threading
@@ -105,31 +106,37 @@ def eager_call(*tensors: Optional[torch.Tensor]) -> bool:
     return True
 
 
-def define_op(name: str, implementation, fake) -> torch._ops.OpOverload:
+def define_op(name: str, implementation, fake, mutates_args: tuple[str, ...] = ()) -> torch._ops.OpOverload:
     """The torch op ``fagen::<name>`` running `implementation` (its schema from the annotations,
-    no argument mutated) with `fake` for tracing. Registered with torch.library.define/impl,
-    not torch.library.custom_op, whose wrappers (an autograd kernel in Python even on an op
-    without autograd, then a redispatch, an aliasing check) cost each call 10-30 us more on a
-    2-core CPU (bench/host_model.py; pytorch/pytorch#139500). Like custom_op's kernel, it runs
-    with dynamo off: an eager call inside a compiled region must not make dynamo trace fagen."""
+    the arguments named in `mutates_args` written) with `fake` for tracing. Registered with
+    torch.library.define/impl, not torch.library.custom_op, whose wrappers (an autograd kernel
+    in Python even on an op without autograd, then a redispatch, an aliasing check) cost each
+    call 10-30 us more on a 2-core CPU (bench/host_model.py; pytorch/pytorch#139500). Like
+    custom_op's kernel, it runs with dynamo off: an eager call inside a compiled region must
+    not make dynamo trace fagen; and like custom_op, it bumps the written arguments' version
+    counters (the kernels write through pointers, which autograd does not see)."""
     qualname = f"fagen::{name}"
-    torch.library.define(qualname, torch.library.infer_schema(implementation, mutates_args=()),
+    torch.library.define(qualname, torch.library.infer_schema(implementation, mutates_args=mutates_args),
                          tags=(torch.Tag.pt2_compliant_tag,))
-    torch.library.impl(qualname, "default", _dynamo_disabled(implementation))
+    torch.library.impl(qualname, "default", _dynamo_disabled(implementation, mutates_args))
     torch.library.register_fake(qualname, fake)
     return getattr(torch.ops.fagen, name).default
 
 
-def _dynamo_disabled(implementation):
+def _dynamo_disabled(implementation, mutates_args: tuple[str, ...]):
     """`implementation` under torch.compiler.disable, applied at the first call: applying it
-    imports torch._dynamo (seconds), which importing fagen.torch must not."""
+    imports torch._dynamo (seconds), which importing fagen.torch must not. The arguments named
+    in `mutates_args` (passed by position, as the dispatcher does) get their versions bumped."""
     disabled = None
+    written = tuple(list(inspect.signature(implementation).parameters).index(name) for name in mutates_args)
 
     @functools.wraps(implementation)
     def kernel(*args, **kwargs):
         nonlocal disabled
         if disabled is None:
             disabled = torch.compiler.disable(implementation)
+        if written:
+            torch.autograd.graph.increment_version([args[index] for index in written])
         return disabled(*args, **kwargs)
 
     return kernel

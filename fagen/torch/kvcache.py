@@ -17,7 +17,9 @@ from ..runtime import driver
 from ..runtime import call as runtime_call
 from ..runtime import kvcache as runtime_kvcache
 from . import e4m3
-from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
+from .adapter import (
+    _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, define_op, eager_call, get_bundle,
+)
 
 _NAME = "fagen.flash_attn_with_kvcache"
 
@@ -305,12 +307,6 @@ def _lse_shape(q: torch.Tensor, packed: bool, batch: int) -> tuple[int, ...]:
     return (q.shape[-2], q.shape[0]) if packed else (batch, q.shape[2], q.shape[1])
 
 
-flash_attn_kvcache = torch.library.custom_op("fagen::flash_attn_kvcache", mutates_args=())(_attend)
-flash_attn_kvcache_append = torch.library.custom_op(
-    "fagen::flash_attn_kvcache_append", mutates_args=("k_cache", "v_cache"))(_attend_appending)
-
-
-@flash_attn_kvcache.register_fake
 def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alibi_slopes, learnable_sink, q_descale,
                  k_descale, v_descale, seqlen_q, capacity, causal, window_left, window_right, softmax_scale, softcap,
                  num_splits, bundle):
@@ -320,9 +316,13 @@ def _attend_fake(q, k_cache, v_cache, seqused_k, block_table, cu_seqlens_q, alib
             q.new_empty(_lse_shape(q, packed, batch), dtype=torch.float32))
 
 
-@flash_attn_kvcache_append.register_fake
 def _attend_appending_fake(k, v, *arguments):
     return _attend_fake(*arguments)
+
+
+flash_attn_kvcache = define_op("flash_attn_kvcache", _attend, _attend_fake)
+flash_attn_kvcache_append = define_op("flash_attn_kvcache_append", _attend_appending, _attend_appending_fake,
+                                      mutates_args=("k_cache", "v_cache"))
 
 
 def _metadata_splits(metadata) -> int:

@@ -20,7 +20,7 @@ import torch
 from ..runtime import KernelNotFound, driver
 from ..runtime import merge as runtime_merge
 from ..runtime.call import Tensor
-from .adapter import _DTYPE_NAMES, _current_stream, bundle_argument, eager_call, get_bundle
+from .adapter import _DTYPE_NAMES, _current_stream, bundle_argument, define_op, eager_call, get_bundle
 
 _NAME = "fagen.merge_attention_states"
 
@@ -89,13 +89,12 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     return out.view(shape), lse.view(lse_shape)
 
 
-merge_states = torch.library.custom_op("fagen::merge_attention_states", mutates_args=())(_merge)
-
-
-@merge_states.register_fake
 def _merge_fake(out_a, lse_a, out_b, lse_b, bundle):
     return (torch.empty_like(out_a, memory_format=torch.contiguous_format),
             torch.empty_like(lse_a, memory_format=torch.contiguous_format))
+
+
+merge_states = define_op("merge_attention_states", _merge, _merge_fake)
 
 
 def _merge_tensors(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -18,7 +18,9 @@ from .. import contract
 from ..runtime import call as runtime_call
 from ..runtime import driver
 from ..runtime.prepared import BackwardPointers, prepare_backward
-from .adapter import _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, eager_call, get_bundle
+from .adapter import (
+    _DTYPE_NAMES, _current_stream, _score_arrays, bundle_argument, define_op, eager_call, get_bundle,
+)
 from .backward import _backward_arrays, enqueue_backward
 
 _NAME = "fagen.flash_attn_varlen_func"
@@ -150,21 +152,20 @@ def _op_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                      bundle)
 
 
-flash_attn_varlen_fwd = torch.library.custom_op("fagen::flash_attn_varlen_fwd", mutates_args=())(_op_forward)
-flash_attn_varlen_bwd = torch.library.custom_op("fagen::flash_attn_varlen_bwd", mutates_args=())(_op_backward)
-
-
-@flash_attn_varlen_fwd.register_fake
 def _op_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
                      max_seqlen_k, causal, window_left, window_right, softmax_scale, softcap, deterministic, bundle):
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
-@flash_attn_varlen_bwd.register_fake
 def _op_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, *options):
     dsink = q.new_empty(0 if learnable_sink is None else q.shape[1], dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
+
+
+flash_attn_varlen_fwd = define_op("flash_attn_varlen_fwd", _op_forward, _op_forward_fake)
+# No autograd of its own (no double backward), as the dense backward op.
+flash_attn_varlen_bwd = define_op("flash_attn_varlen_bwd", _op_backward, _op_backward_fake)
 
 
 def _input_grads(ctx, grads, learnable_sink) -> tuple:
@@ -192,7 +193,7 @@ def _op_autograd(ctx, dout, dlse):
     return _input_grads(ctx, grads, learnable_sink)
 
 
-flash_attn_varlen_fwd.register_autograd(_op_autograd, setup_context=_op_setup_context)
+torch.library.register_autograd("fagen::flash_attn_varlen_fwd", _op_autograd, setup_context=_op_setup_context)
 
 
 class _VarlenAttention(torch.autograd.Function):

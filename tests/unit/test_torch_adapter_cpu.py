@@ -318,6 +318,38 @@ def test_deterministic_must_be_a_bool(deterministic):
         flash_attn_func(*_qkv(), deterministic=deterministic)
 
 
+@pytest.mark.parametrize("module, attribute, name", [
+    ("adapter", "flash_attn_fwd", "flash_attn_fwd"), ("adapter", "flash_attn_fwd_fp8", "flash_attn_fwd_fp8"),
+    ("backward", "flash_attn_bwd", "flash_attn_bwd"), ("varlen", "flash_attn_varlen_fwd", "flash_attn_varlen_fwd"),
+    ("varlen", "flash_attn_varlen_bwd", "flash_attn_varlen_bwd"),
+    ("kvcache", "flash_attn_kvcache", "flash_attn_kvcache"),
+    ("kvcache", "flash_attn_kvcache_append", "flash_attn_kvcache_append"),
+    ("merge", "merge_states", "merge_attention_states"),
+])
+def test_every_op_is_a_plain_operator_of_the_fagen_namespace(module, attribute, name):
+    # define_op's torch.library.define/impl ops, not custom_op's (whose Python wrappers cost
+    # each call 10-40 us of host time).
+    import importlib
+
+    op = getattr(importlib.import_module(f"fagen.torch.{module}"), attribute)
+    assert type(op) is torch._ops.OpOverload
+    assert op.namespace == "fagen" and op is getattr(torch.ops.fagen, name).default
+
+
+def test_the_appending_op_declares_and_bumps_the_caches_it_writes():
+    schema = torch.ops.fagen.flash_attn_kvcache_append.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == \
+        ["k_cache", "v_cache"]
+
+    def write(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a write autograd does not see
+        a.numpy()[:] = 1
+        return b
+
+    a, b = torch.zeros(2), torch.zeros(2)
+    adapter._dynamo_disabled(write, ("a",))(a, b)
+    assert (a._version, b._version) == (1, 0) and a.tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("which", ("q", "k", "v"))
 def test_the_ops_record_a_backward_that_returns_gradients_of_the_inputs_shapes(which):
     # The custom ops' fake implementations stand in for the kernels: a call whose inputs
