@@ -16,7 +16,7 @@ from pydantic import Field
 
 from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
-from .base import Constexpr, KernelSpec, TileBase
+from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
 from .fa2 import Fa2ForwardSpec, mma_sync_head_dim_problem, row_pitch_bytes
 from .layout import TileGeometry, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow
@@ -284,9 +284,7 @@ class Fa2BackwardSpec(KernelSpec):
             Constexpr("kSmemBytes", g.smem_bytes),
             # sm_90 adds four dQ columns in one vector reduction (ptx/red.cuh).
             Constexpr("kVectorReductions", ARCHS[self.arch].compute_capability >= (9, 0)),
-            Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
-            Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
-            Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
+            *backward_row_constexprs(),
         ]
 
     def launch(self) -> contract.Launch:

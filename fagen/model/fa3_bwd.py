@@ -25,7 +25,7 @@ from pydantic import Field
 
 from .. import contract
 from .arch import Arch
-from .base import Constexpr, KernelSpec, TileBase
+from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
 from .fa3 import Fa3ForwardSpec
 from .layout import (
     ELEMENT_BYTES, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, consumer_registers, launch_registers,
@@ -316,9 +316,7 @@ class Fa3BackwardSpec(KernelSpec):
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemBytes", g.smem_bytes),
             Constexpr("kAccumBoxColumns", contract.ACCUM_BOX_COLUMNS),
-            Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
-            Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
-            Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
+            *backward_row_constexprs(),
         ]
 
     def launch(self) -> contract.Launch:

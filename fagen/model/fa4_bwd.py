@@ -25,7 +25,7 @@ from pydantic import Field
 
 from .. import contract
 from .arch import Arch
-from .base import Constexpr, KernelSpec, TileBase
+from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
 from .fa4 import TMEM_COLUMNS, Fa4ForwardSpec, tmem_allocation
 from .layout import (
     ELEMENT_BYTES, SETMAXNREG_GRANULE, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, launch_registers,
@@ -228,9 +228,7 @@ class Fa4BackwardSpec(KernelSpec):
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemControlBytes", g.smem_control_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),
-            Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
-            Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
-            Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
+            *backward_row_constexprs(),
         ]
 
     def launch(self) -> contract.Launch:
