@@ -2,14 +2,16 @@
 launch.
 
 One CTA per (key block of 128 keys, K/V head, batch), as the FA2 and FA3 backward, walking the
-query blocks of 128 rows of every query head its K/V head serves
-(templates/include/fagen/fa4/backward.cuh). Every product is one M = 128 tcgen05.mma: S^T and
-dP^T (keys x queries) land in Tensor Memory, where compute warps with one thread per key turn
-them into P^T and dS^T in place; dV and dK accumulate in TMEM across the walk; dQ_i (queries x
-head_dim) is written over dP^T's columns once dK_i has read dS^T, and dQ warps with one thread
-per query add it to the fp32 accumulator in global memory. That is the kernel's structure, not
-an option: TMEM holds S^T, dP^T, dV and dK (2 x 128 + 2 x head_dim columns), so head_dim is at
-most 128, and dQ fits dP^T's 128 columns.
+query blocks of every query head its K/V head serves (templates/include/fagen/fa4/backward.cuh).
+Every product is an M = 128 tcgen05.mma: S^T and dP^T (keys x queries) land in Tensor Memory,
+where compute warps with one thread per key turn them into P^T and dS^T in place; dV and dK
+accumulate in TMEM across the walk; dQ_i is written over dP^T's columns once dK_i has read dS^T,
+and dQ warps with one thread per TMEM lane add it to the fp32 accumulator in global memory. TMEM
+holds S^T, dP^T (block_m columns each), dV and dK (head_dim_v + head_dim): at head dims 64 and
+128 a step is 128 queries and dQ_i = dS K (a lane per query, head_dim <= 128 columns over dP^T);
+DeepSeek-V3's 192 / 128 leaves 192 columns for S^T and dP^T, so its steps are 64 queries, and
+dQ_i^T = K^T dS^T (a lane per head-dim column: M = 64 queries is no full-lane MMA) is two M = 128
+products, over dims [0, 128) and [64, 192), in dP^T's and the next 64 columns.
 
 The geometry is computed once here: validation rejects tiles that cannot fit shared memory or
 TMEM, codegen passes the same numbers to the template, which re-checks them with static_assert.
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .. import contract
 from .arch import Arch
@@ -34,12 +36,15 @@ from .layout import (
 from .tuning import TuningRow
 
 BLOCK_M = 128  # queries per step: N of S^T and dP^T, M of dQ (a TMEM lane per query)
+SPLIT_BLOCK_M = 64  # queries per step at 192 / 128: N of S^T, dP^T and dQ^T (a lane per dim)
 BLOCK_N = 128  # keys per CTA: M of S^T, dP^T, dV, dK (a TMEM lane per key)
+MMA_M = 128  # the M of every product: a TMEM lane per row, all 128 lanes
 # Role warps (templates/include/fagen/fa4/backward.cuh): 4 compute (a key row each), 4 dQ (a
 # query row each; dK and dV at the end), then load, MMA and 2 idle warps completing the third
 # warpgroup (setmaxnreg acts on whole warpgroups).
 WARPS = 12
-HEAD_DIMS = (64, 128)
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (192, 128))  # (head_dim, head_dim_v)
+HEAD_DIMS = tuple(d for d, _ in HEAD_DIM_PAIRS)
 STAGE_RANGE = (2, 4)
 # kv_full, s_full, p_full, dp_full, ds_full, dq_full, dq_empty, grads_done; then per Q / dO
 # stage full and empty.
@@ -59,7 +64,8 @@ CONTROL_REGISTERS = 56
 class Fa4BwdTile(TileBase):
     ALGORITHM: ClassVar[str] = "fa4 bwd"
 
-    block_m: int = Field(BLOCK_M, gt=0, description=f"query rows per step of the walk ({BLOCK_M})")
+    block_m: int = Field(BLOCK_M, gt=0, description=f"query rows per step of the walk ({BLOCK_M}; "
+                         f"{SPLIT_BLOCK_M} at head dims 192 / 128)")
     block_n: int = Field(BLOCK_N, gt=0, description=f"keys per CTA ({BLOCK_N})")
     warps: int = Field(WARPS, gt=0, description=f"warps per CTA: {WARPS} (the role table)")
     stages: int = Field(gt=0, description="Q / dO shared-memory ring depth")
@@ -122,10 +128,38 @@ class Fa4BwdGeometry(TileGeometry):
         return self.smem_barrier_offset + self.smem_control_bytes + SWIZZLE_ATOM_BYTES
 
     @property
+    def dq_transposed(self) -> bool:
+        """dQ_i^T = K^T dS^T (a TMEM lane per head-dim column) where a step has fewer queries than
+        an MMA has lanes; else dQ_i = dS K (a lane per query)."""
+        return self.block_m < MMA_M
+
+    @property
+    def dq_products(self) -> int:
+        """The M = 128 products of dQ_i^T: dims [0, 128), ..., the last ending at head_dim (over
+        dims an earlier one has: [64, 192) at 192)."""
+        return -(-self.head_dim // MMA_M) if self.dq_transposed else 1
+
+    @property
+    def dq_columns(self) -> int:
+        return self.dq_products * self.block_m if self.dq_transposed else self.head_dim
+
+    @property
+    def tmem_dp_column(self) -> int:
+        return self.block_m  # after S^T; dS^T over its first half, dQ_i from here
+
+    @property
+    def tmem_dv_column(self) -> int:
+        return self.tmem_dp_column + max(self.block_m, self.dq_columns)
+
+    @property
+    def tmem_dk_column(self) -> int:
+        return self.tmem_dv_column + self.head_dim_v
+
+    @property
     def tmem_columns_used(self) -> int:
-        """S^T and dP^T (block_m fp32 columns each; P^T and dS^T alias them, dQ dP^T's), dV and
-        dK (head_dim_v and head_dim)."""
-        return 2 * self.block_m + self.head_dim_v + self.head_dim
+        """S^T (block_m fp32 columns; P^T aliases it), dP^T or dQ_i (dS^T and dQ alias dP^T; dQ_i
+        may reach past it), dV and dK (head_dim_v and head_dim)."""
+        return self.tmem_dk_column + self.head_dim
 
     @property
     def tmem_columns(self) -> int:
@@ -133,11 +167,14 @@ class Fa4BwdGeometry(TileGeometry):
 
     def problems(self, max_smem: int) -> list[str]:
         out: list[str] = []
-        if problem := head_dim_problem(self.head_dim):
+        if problem := head_dim_problem(self.head_dim) or head_dim_v_problem(self.head_dim, self.head_dim_v):
             out.append(problem)
-        if self.block_m != BLOCK_M:
-            out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (dQ is one M = 128 MMA, a "
-                       "TMEM lane per query)")
+        if self.block_m not in (BLOCK_M, SPLIT_BLOCK_M):
+            out.append(f"tile.block_m={self.block_m}: must be {BLOCK_M} (dQ one M = 128 MMA, a TMEM "
+                       f"lane per query) or {SPLIT_BLOCK_M} (dQ^T, a lane per head-dim column)")
+        elif self.block_m < MMA_M and self.head_dim < MMA_M:
+            out.append(f"tile.block_m={self.block_m} at head_dim={self.head_dim}: dQ^T's products have "
+                       f"M = {MMA_M} head-dim columns")
         if self.block_n != BLOCK_N:
             out.append(f"tile.block_n={self.block_n}: must be {BLOCK_N} (S^T is one M = 128 MMA, a "
                        "TMEM lane per key)")
@@ -159,8 +196,15 @@ def head_dim_problem(head_dim: int) -> str | None:
     """Why no FA4 backward tile can take `head_dim`, or None."""
     if head_dim not in HEAD_DIMS:
         return (f"head_dim={head_dim}: the FA4 backward takes {HEAD_DIMS} (S^T, dP^T, dV and dK "
-                f"share TMEM's {TMEM_COLUMNS} columns, and dQ takes dP^T's {BLOCK_M}); the FA2 "
-                "backward serves the others on sm100a")
+                f"share TMEM's {TMEM_COLUMNS} columns); the FA2 backward serves the others on sm100a")
+    return None
+
+
+def head_dim_v_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why no FA4 backward tile can take v head dim `head_dim_v` beside `head_dim`, or None."""
+    if (head_dim, head_dim_v) not in HEAD_DIM_PAIRS:
+        return (f"the FA4 backward takes (head_dim, head_dim_v) in {HEAD_DIM_PAIRS} (TMEM's "
+                f"{TMEM_COLUMNS} columns hold dK and dV beside S^T and dP^T)")
     return None
 
 
@@ -174,12 +218,23 @@ TUNING: tuple[TuningRow, ...] = (
     TuningRow(Fa4BwdTile(stages=2), 128,
               "K, V 64 KB + 2 stages of Q, dO 128 KB + dS^T 32 KB = 225 KB, the deepest ring "
               "that fits 227 KB; TMEM 512 columns"),
+    TuningRow(Fa4BwdTile(block_m=SPLIT_BLOCK_M, stages=4), 128,
+              "softcap: a compute thread keeps 1 - u^2 beside each probability of a step, 2 x 64 "
+              "fp32 (2 x 128 would not fit its 240 registers), so steps of 64 queries and dQ^T; "
+              "K, V 64 KB + 4 stages of Q, dO 128 KB + dS^T 16 KB = 209 KB; TMEM 384 columns",
+              score=("softcap",)),
+    TuningRow(Fa4BwdTile(block_m=SPLIT_BLOCK_M, stages=3), 192,
+              "dK 192 + dV 128 TMEM columns leave 192: S^T and dP^T of 64 queries and dQ^T's two "
+              "products over dP^T and the next 64 (512 in all); K, V 80 KB + 3 stages of Q, dO "
+              "120 KB + dS^T 16 KB = 217 KB, the deepest ring that fits 227 KB",
+              head_dim_v=128),
 )
 
 
 class Fa4BackwardSpec(KernelSpec):
     TUNING_ROWS: ClassVar[tuple[TuningRow, ...]] = TUNING
     HEAD_DIM_RULE: ClassVar[Callable[[int], str | None]] = staticmethod(head_dim_problem)
+    HEAD_DIM_V_RULE: ClassVar[Callable[[int, int], str | None]] = staticmethod(head_dim_v_problem)
     FA_VERSION: ClassVar[int] = 4
     DIRECTION: ClassVar[str] = "bwd"
     TEMPLATE: ClassVar[str] = "fa4_bwd_sm100.cu.j2"
@@ -190,14 +245,23 @@ class Fa4BackwardSpec(KernelSpec):
     MASKS: ClassVar[tuple[str, ...]] = contract.MASKS
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 backward takes them"
     LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
-    SCORE_MODS: ClassVar[tuple[str, ...]] = ("alibi", "sinks")
-    WHY_SCORE_MODS: ClassVar[str] = ("softcap's 1 - u^2 per score would be 64 more registers per "
-                                     "compute thread beside its 128 probabilities (the FA2 backward "
-                                     "takes it)")
+    SCORE_MODS: ClassVar[tuple[str, ...]] = contract.SCORE_MODS
 
     fa_version: Literal[4]
     direction: Literal["bwd"]
     tile: Fa4BwdTile
+
+    @model_validator(mode="after")
+    def _check_softcap_step(self) -> "Fa4BackwardSpec":
+        """A softcap step keeps 1 - u^2 beside each fp32 probability of its compute thread's key:
+        2 x block_m registers, which only block_m 64 leaves room for (COMPUTE_REGISTERS)."""
+        if "softcap" in self.score and self.tile.block_m != SPLIT_BLOCK_M:
+            raise ValueError(f"score=softcap needs tile.block_m={SPLIT_BLOCK_M} (1 - u^2 beside each "
+                             f"probability: 2 x {self.tile.block_m} fp32 per compute thread do not fit "
+                             f"its {COMPUTE_REGISTERS} registers), and that step head_dim >= {MMA_M} "
+                             f"(dQ^T's products have M = {MMA_M} head-dim columns); the FA2 backward "
+                             "takes the others")
+        return self
 
     @staticmethod
     def geometry_of(head_dim: int, tile: Fa4BwdTile, head_dim_v: int | None = None,
@@ -216,6 +280,10 @@ class Fa4BackwardSpec(KernelSpec):
             Constexpr("kThreads", g.threads),
             Constexpr("kStages", g.stages),
             Constexpr("kTmemColumns", g.tmem_columns),
+            Constexpr("kDqTransposed", g.dq_transposed),
+            Constexpr("kDqProducts", g.dq_products),
+            Constexpr("kTmemDvColumn", g.tmem_dv_column),
+            Constexpr("kTmemDkColumn", g.tmem_dk_column),
             Constexpr("kComputeRegisters", COMPUTE_REGISTERS),
             Constexpr("kDqRegisters", DQ_REGISTERS),
             Constexpr("kControlRegisters", CONTROL_REGISTERS),

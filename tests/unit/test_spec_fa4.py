@@ -109,3 +109,35 @@ def test_fa2_takes_the_options_and_fa2_and_fa3_refuse_each_others():
         KernelSpec.model_validate({
             "fa_version": 2, "arch": "sm90", "dtype": "bf16", "head_dim": 64,
             "tile": {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "pingpong": True}})
+
+
+BWD = {**BASE, "direction": "bwd"}
+
+
+def test_backward_split_head_dims_take_steps_of_64_queries_and_a_transposed_dq():
+    split = spec_from(BWD, head_dim=192, head_dim_v=128, mask="causal")
+    g = split.geometry
+    assert (g.block_m, g.dq_transposed, g.dq_products, g.dq_columns) == (64, True, 2, 128)
+    # S^T 64, dP^T (and dQ^T's 128) from 64, dV 128 from 192, dK 192 from 320: all 512 columns.
+    assert (g.tmem_dp_column, g.tmem_dv_column, g.tmem_dk_column, g.tmem_columns_used) == (64, 192, 320, 512)
+    dense = spec_from(BWD, head_dim=128).geometry
+    assert (dense.block_m, dense.dq_transposed, dense.tmem_dv_column, dense.tmem_columns_used) == (128, False, 256, 512)
+    source = render(split).source
+    assert "kDqTransposed = true" in source and "kTmemDkColumn = 320" in source
+
+
+@pytest.mark.parametrize("dims,needle", [
+    ({"head_dim": 256}, "FA2 backward serves the others"),
+    ({"head_dim": 128, "head_dim_v": 64}, "(192, 128)"),
+    ({"head_dim": 192, "head_dim_v": 128, "tile": {**TILE, "block_m": 128, "stages": 2}}, "TMEM columns"),
+    ({"score": "softcap", "tile": {**TILE, "stages": 2}}, "score=softcap needs tile.block_m=64"),
+    ({"head_dim": 64, "score": "softcap"}, "head_dim >= 128"),
+])
+def test_backward_refuses_what_tmem_cannot_hold(dims, needle):
+    assert needle in refusal_of(BWD, **dims)
+
+
+
+def test_backward_softcap_takes_the_64_query_step():
+    g = spec_from(BWD, score="softcap", mask="causal").geometry
+    assert (g.block_m, g.dq_transposed, g.dq_products, g.tmem_columns_used) == (64, True, 1, 384)

@@ -7,17 +7,20 @@
 // algo/backward_rows.cuh before and after this file's main kernel.
 //
 // One CTA per tile (key block of kBlockN = 128 keys, K/V head, batch), which walks the query
-// blocks of kBlockM = 128 rows of every query head its K/V head serves (algo::BackwardWalk).
+// blocks of kBlockM rows of every query head its K/V head serves (algo::BackwardWalk): 128, or 64
+// at head dims 192 / 128, where TMEM holds no more (fagen/model/fa4_bwd.py).
 // Dense or varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1).
 // Role table (384 threads = 3 warpgroups; a warp touches the TMEM lanes 32 * (warp % 4) .. + 31):
 //   warps 0-3  compute  thread t owns key t (TMEM lane t of S^T, dP^T): per step P^T = exp2(S^T
 //                       scale_log2 - LSE) over S^T's columns, then dS^T = P^T (dP^T - D) over
-//                       dP^T's columns and into shared memory (dQ's A operand), masks and ALiBi
-//                       applied per element.
-//   warps 4-7  dQ       thread t owns query t of the step (TMEM lane t of dQ): loads dQ_i,
-//              + dK dV  frees its columns and adds it to the fp32 accumulator in global memory
-//                       (red.v4; in deterministic mode in key-block order); at the end thread t
-//                       writes key t's rows of dK (times softmax_scale) and dV.
+//                       dP^T's columns and into shared memory (dQ's operand), masks, ALiBi and the
+//                       softcap (its 1 - u^2 kept per score: steps of 64 queries) per element.
+//   warps 4-7  dQ       thread t owns TMEM lane t of dQ_i: query t of the step (red.v4 of its
+//              + dK dV  row), or at 192 / 128 (Config::kDqTransposed) a head-dim column of each
+//                       dQ_i^T product (a red per query); it loads dQ_i, frees its columns and
+//                       adds it to the fp32 accumulator in global memory (in deterministic mode
+//                       in key-block order); at the end thread t writes key t's rows of dK (times
+//                       softmax_scale) and dV.
 //   warp 8     load     one lane issues the TMA loads: K and V once, Q_i and dO_i per step into
 //                       a ring of kStages.
 //   warp 9     MMA      allocates TMEM; one lane issues the five products of each step.
@@ -25,14 +28,17 @@
 //
 // TMEM (128 lanes; fp32 columns): S^T [0, kBlockM) with P^T over its first kBlockM / 2 columns
 // (two 16-bit values per column, the A operand of dV); dP^T [kBlockM, 2 kBlockM) with dS^T over
-// its first half (A of dK), and dQ_i (lanes = queries) over its first head_dim columns once dK_i
-// has read dS^T; dV [2 kBlockM, + head_dim_v); dK after it.
+// its first half (A of dK), and dQ_i from its first column once dK_i has read dS^T: head_dim
+// columns of queries' lanes, or kDqProducts x kBlockM columns of dims' lanes (192 / 128: dims
+// [0, 128) then [64, 192), reaching 64 columns past dP^T); dV from Config::kTmemDvColumn
+// (head_dim_v columns); dK from Config::kTmemDkColumn (head_dim).
 //
 // Step i (MMA thread; MMAs of one thread run in issue order, so a product may overwrite TMEM an
 // earlier one reads without a wait between them):
 //   S^T_i = K Q_i^T, dP^T_i = V dO_i^T                   (issued during step i - 1)
 //   wait P^T_i   -> dV += P^T_i dO_i -> S^T_{i+1} = K Q_{i+1}^T (over P^T_i, read by then)
-//   wait dS^T_i  -> dK += dS^T_i Q_i -> dQ_i = dS_i K (over dS^T_i) -> commit dq_full, slot empty
+//   wait dS^T_i  -> dK += dS^T_i Q_i -> dQ_i = dS_i K or dQ_i^T = K^T dS^T_i (over dS^T_i)
+//                -> commit dq_full, slot empty
 //   wait dQ_i read out of TMEM -> dP^T_{i+1} = V dO_{i+1}^T
 // so the compute warps' P^T_{i+1} overlaps dK_i and dQ_i, and their dS^T_i overlaps dV_i and
 // S^T_{i+1}.
@@ -92,11 +98,15 @@ struct Backward {
     static constexpr uint32_t kSColumn = 0;
     static constexpr uint32_t kDpColumn = kBlockM;
     static constexpr uint32_t kDqColumn = kDpColumn;
-    static constexpr uint32_t kDvColumn = 2 * kBlockM;
-    static constexpr uint32_t kDkColumn = kDvColumn + kHeadDimV;
+    static constexpr int kDqProducts = Config::kDqProducts;
+    static constexpr uint32_t kDqColumns = Config::kDqTransposed ? kDqProducts * kBlockM : kHeadDim;
+    static constexpr uint32_t kDvColumn = Config::kTmemDvColumn;
+    static constexpr uint32_t kDkColumn = Config::kTmemDkColumn;
+    static constexpr int kMmaM = 128;  // every product's M: a TMEM lane per row
     // Instruction descriptors: S^T and dP^T (keys x queries; both operands K-major), dV and dK
     // (keys x columns; A from TMEM, B = dO or Q read MN-major), dQ (queries x head_dim; A = dS
-    // read MN-major from the dS^T tile, B = K read MN-major).
+    // read MN-major from the dS^T tile, B = K read MN-major) or dQ^T (128 dims x queries; A = K^T,
+    // read MN-major from the K tile, B = dS^T read MN-major).
     static constexpr uint32_t kScoresInstr =
         ptx::Tcgen05F16InstructionDescriptor<kBlockN, kBlockM, Config::kIsBf16, false>::value;
     static constexpr uint32_t kDvInstr =
@@ -104,16 +114,23 @@ struct Backward {
     static constexpr uint32_t kDkInstr =
         ptx::Tcgen05F16InstructionDescriptor<kBlockN, kHeadDim, Config::kIsBf16, true>::value;
     static constexpr uint32_t kDqInstr =
-        ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDim, Config::kIsBf16, true, true>::value;
+        Config::kDqTransposed
+            ? ptx::Tcgen05F16InstructionDescriptor<kMmaM, kBlockM, Config::kIsBf16, true, true>::value
+            : ptx::Tcgen05F16InstructionDescriptor<kBlockM, kHeadDim, Config::kIsBf16, true, true>::value;
 
-    static_assert(kBlockM == 128 && kBlockN == 128, "M = 128 MMAs: a TMEM lane per key, then per query");
+    static_assert(kBlockN == kMmaM, "a TMEM lane per key");
+    static_assert(Config::kDqTransposed == (kBlockM < kMmaM) && (kBlockM == 128 || kBlockM == 64),
+                  "dQ_i has a lane per query when a step fills the lanes, else per head-dim column");
+    static_assert(!Config::kDqTransposed || kDqProducts == (kHeadDim + kMmaM - 1) / kMmaM);
     static_assert(Config::kThreads == 12 * 32);
     static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "TMA boxes and swizzle atoms are 64 columns");
-    static_assert(kHeadDim <= kBlockM, "dQ_i takes dP^T's columns");
+    static_assert(kDvColumn == kDpColumn + (kDqColumns > uint32_t(kBlockM) ? kDqColumns : uint32_t(kBlockM)) &&
+                      kDkColumn == kDvColumn + kHeadDimV,
+                  "dQ_i takes dP^T's columns and those up to dV's (fagen/model/fa4_bwd.py)");
     static_assert(kDkColumn + kHeadDim <= Config::kTmemColumns && Config::kTmemColumns <= 512);
     static_assert((Config::kTmemColumns & (Config::kTmemColumns - 1)) == 0 && Config::kTmemColumns >= 32,
                   "tcgen05.alloc takes a power of two >= 32");
-    static_assert(!Config::kSoftcap, "fagen/model/fa4_bwd.py: SCORE_MODS");
+    static_assert(!Config::kSoftcap || kBlockM == 64, "1 - u^2 beside each probability: fa4_bwd.py's softcap rule");
     static_assert(Config::kSmemKOffset == 0 && Config::kSmemVOffset == kKBytes &&
                   Config::kSmemQOffset == kKBytes + kVBytes &&
                   Config::kSmemDoOffset == Config::kSmemQOffset + kStages * kQBytes &&
@@ -198,13 +215,29 @@ struct Backward {
     }
 
     // dQ_i = dS K: A = dS read MN-major from the dS^T tile (queries contiguous, two chunks of 64
-    // kBlockN * 128 bytes apart), B = K read MN-major; 16 keys per instruction.
+    // kBlockN * 128 bytes apart), B = K read MN-major; 16 keys per instruction. Transposed: dQ_i^T
+    // = K^T dS^T, product j over the 128 dims from first_dim(j) (A = K^T: the K tile read
+    // MN-major from that dim's chunk; B = dS^T read MN-major), kBlockM columns each.
+    static __device__ __forceinline__ uint32_t first_dim(int product) {
+        static_assert(!Config::kDqTransposed || kHeadDim >= kMmaM);
+        return product + 1 < kDqProducts ? product * kMmaM : kHeadDim - kMmaM;
+    }
+
     static __device__ __forceinline__ void issue_dq(uint32_t tmem_d, const Smem& s) {
+        const auto operand = [](uint32_t tile, int kk) {
+            return ptx::tcgen05_smem_desc_swizzle128(tile + kk * 16 * 128, kBlockN * 128, kAtom);
+        };
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            ptx::tcgen05_mma_f16_ss(tmem_d, ptx::tcgen05_smem_desc_swizzle128(s.ds() + kk * 16 * 128, kBlockN * 128, kAtom),
-                                    ptx::tcgen05_smem_desc_swizzle128(s.k() + kk * 16 * 128, kBlockN * 128, kAtom),
-                                    kDqInstr, kk > 0);
+        for (int j = 0; j < kDqProducts; ++j) {
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                if constexpr (Config::kDqTransposed) {
+                    ptx::tcgen05_mma_f16_ss(tmem_d + j * kBlockM, operand(s.k() + first_dim(j) / 64 * kBlockN * 128, kk),
+                                            operand(s.ds(), kk), kDqInstr, kk > 0);
+                } else {
+                    ptx::tcgen05_mma_f16_ss(tmem_d, operand(s.ds(), kk), operand(s.k(), kk), kDqInstr, kk > 0);
+                }
+            }
         }
     }
 
@@ -316,11 +349,12 @@ struct Backward {
             ptx::mbarrier_wait_parity(s.barrier(kSFull), parity);
             ptx::tcgen05_fence_after_thread_sync();
             float probs[kBlockM];
+            float dsoftcap[Config::kSoftcap ? kBlockM : 1];  // 1 - u^2 of each score (algo/score.cuh)
             load_row(lane_base + kSColumn, probs);
 #pragma unroll
             for (int c = 0; c < kBlockM; ++c) {
                 float u = probs[c];
-                if constexpr (!Score::kIdentity) u = score.modify(u, row_begin + c, key);
+                if constexpr (!Score::kIdentity) u = score.modify(u, row_begin + c, key, dsoftcap[Config::kSoftcap ? c : 0]);
                 probs[c] = ptx::ex2_approx_ftz(algo::backward_exponent(u, p.scale_log2, lse2.at(c)));
             }
             if (needs_mask) {
@@ -350,8 +384,13 @@ struct Backward {
 #pragma unroll
                 for (int i = 0; i < 16; ++i) {
                     const int q0 = 32 * c + 2 * i;
-                    packed[i] = Ops::pack(probs[q0] * (dp[2 * i] - dsum.at(q0)),
-                                          probs[q0 + 1] * (dp[2 * i + 1] - dsum.at(q0 + 1)));
+                    float ds0 = probs[q0] * (dp[2 * i] - dsum.at(q0));
+                    float ds1 = probs[q0 + 1] * (dp[2 * i + 1] - dsum.at(q0 + 1));
+                    if constexpr (Config::kSoftcap) {
+                        ds0 *= dsoftcap[q0];
+                        ds1 *= dsoftcap[q0 + 1];
+                    }
+                    packed[i] = Ops::pack(ds0, ds1);
                 }
                 ptx::tcgen05_st_32x32b_x16(lane_base + kDpColumn + c * 16, packed);
                 store_ds_row(s.ds(), row, 32 * c, packed);
@@ -364,9 +403,19 @@ struct Backward {
     }
 
     // ---------------------------------------------------------------- dQ warps
-    // Per step: query `row`'s dQ_i row out of TMEM (which frees it for dP^T_{i+1}), then into the
-    // accumulator by 16-byte reductions; rows past seqlen_q add nothing. Deterministic mode: the
-    // four warps take their turn on the query block's counter together.
+    // Lane `row` of dQ_i^T product j is dim first_dim(j) + row; the lanes of dims an earlier
+    // product has (whole warps: [0, 64) of [64, 192)) leave it alone.
+    static __device__ __forceinline__ bool owns_dim(int product, int row) {
+        return !Config::kDqTransposed || static_cast<int>(first_dim(product)) + row >= product * kMmaM;
+    }
+    static_assert(!Config::kDqTransposed || (kDqProducts * kMmaM - kHeadDim) % 32 == 0,
+                  "a product's lanes of earlier dims are whole warps (tcgen05.ld is per warp)");
+
+    // Per step: lane `row`'s dQ_i values out of TMEM (which frees them for dP^T_{i+1}), then into
+    // the accumulator: query `row`'s row by 16-byte reductions, or (transposed) dim `row`'s value
+    // of each query by 4-byte ones, a warp's 32 dims one 128-byte line; rows past seqlen_q add
+    // nothing. Deterministic mode: the four warps take their turn on the query block's counter
+    // together.
     static __device__ void write_dq(const FagenBwdParams& p, const Smem& s, const Walk& w, uint32_t tmem, int row) {
         const uint32_t lane_base = tmem + (static_cast<uint32_t>(row & ~31) << 16);
         const int seqlen_q = w.seq.seqlen_q(p);
@@ -375,8 +424,11 @@ struct Backward {
         for (int t = 0; t < w.steps(); ++t, at.advance(w.i_begin, w.i_end())) {
             ptx::mbarrier_wait_parity(s.barrier(kDqFull), t & 1);
             ptx::tcgen05_fence_after_thread_sync();
-            float dq[kHeadDim];
-            load_row(lane_base + kDqColumn, dq);
+            float dq[kDqProducts][kDqColumns / kDqProducts];
+#pragma unroll
+            for (int j = 0; j < kDqProducts; ++j) {
+                if (owns_dim(j, row)) load_row(lane_base + kDqColumn + j * (kDqColumns / kDqProducts), dq[j]);
+            }
             ptx::tcgen05_fence_before_thread_sync();
             ptx::mbarrier_arrive(s.barrier(kDqEmpty));
 
@@ -391,12 +443,25 @@ struct Backward {
                 }
                 ptx::bar_sync(kDqOrder, 128);
             }
-            if (query < seqlen_q) {
-                float* accum = p.dq_accum + Rows::accum_head(p, w.seq, w.batch, w.batch * p.heads_q + at.head) +
-                               static_cast<long long>(query) * kHeadDim;
+            if constexpr (Config::kDqTransposed) {
+                const long long head = Rows::accum_head(p, w.seq, w.batch, w.batch * p.heads_q + at.head);
+                const int queries = min(kBlockM, seqlen_q - at.block * kBlockM);
+#pragma unroll
+                for (int j = 0; j < kDqProducts; ++j) {
+                    if (!owns_dim(j, row)) continue;
+                    float* column = p.dq_accum + head + static_cast<long long>(at.block) * kBlockM * kHeadDim +
+                                    first_dim(j) + row;
+#pragma unroll
+                    for (int c = 0; c < kBlockM; ++c) {
+                        if (c < queries) ptx::red_global_add_f32(column + c * kHeadDim, dq[j][c]);
+                    }
+                }
+            } else if (query < seqlen_q) {
+                float* at_row = p.dq_accum + Rows::accum_head(p, w.seq, w.batch, w.batch * p.heads_q + at.head) +
+                                static_cast<long long>(query) * kHeadDim;
 #pragma unroll
                 for (int c = 0; c < kHeadDim; c += 4) {
-                    ptx::red_global_add_v4_f32(accum + c, dq[c], dq[c + 1], dq[c + 2], dq[c + 3]);
+                    ptx::red_global_add_v4_f32(at_row + c, dq[0][c], dq[0][c + 1], dq[0][c + 2], dq[0][c + 3]);
                 }
             }
             if (ordered) {
