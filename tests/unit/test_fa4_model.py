@@ -188,6 +188,18 @@ def test_score_modifiers_match_fp64_within_twice_low_precision_error(case, modif
     assert np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0) < 1e-3
 
 
+@pytest.mark.parametrize("head_dim,block_n", [(128, 128), (256, 64)])
+def test_softcap_under_a_window(head_dim, block_n, coeffs):
+    """Gemma-2's windowed layers: the softcap on the local kernels (head dims 128 and 256)."""
+    q, k, v = inputs(300, 300, head_dim, "bf16", seed=head_dim, spread=4.0)
+    mods = dict(softcap=30.0, window=(100, 0))
+    out, _ = fa4_forward(q, k, v, causal=False, block_n=block_n, dtype="bf16", coeffs=coeffs, exp2_period=4,
+                         rescale_threshold=8.0, **mods)
+    ref, _ = reference_attention(q, k, v, causal=False, **mods)
+    baseline = low_precision_attention(q, k, v, causal=False, dtype="bf16", **mods)
+    assert np.max(np.abs(out - ref)) <= 2 * np.max(np.abs(baseline - ref)) + ATOL
+
+
 def e4m3_emulation(q, k, v, *, causal, window=None):
     """Plain attention through FP8's quantisation steps (issue 25's bar): e4m3 inputs, scores and
     sums in fp32, P taken up to 2^8 and rounded to e4m3, P V in fp32, a bf16 output."""

@@ -115,8 +115,9 @@ def test_blackwell_devices_take_fa4_on_sm100_and_fa2_on_sm120(tmp_path):
 
 def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
     """specs/blackwell.yaml's own kernels: a B200 takes FA4 where it was built (forward and
-    backward at head dims 64, 128 and 192 / 128, the forward's 256 with a mask, windows, softcap
-    at 128, ALiBi, sinks) and FA2's sm100a build for the rest (head dim 256's backward);
+    backward at head dims 64, 128 and 192 / 128, the forward's 256 with a mask, windows, the
+    softcap (the backward's at 128), ALiBi, sinks) and FA2's sm100a build for the rest (head dim
+    256's backward);
     an RTX 50-series the sm120 FA2 build; both have every model family's variant in both
     directions (Gemma-2, gpt-oss, Mistral, BLOOM, DeepSeek-V3) and packed variable-length
     batches (FA4 on sm100a, but the backward at head dim 256)."""
@@ -129,7 +130,8 @@ def test_blackwell_spec_covers_the_model_families_on_sm100_and_sm120(tmp_path):
     fa4 = ["bwd/bf16/hd128/causal", "bwd/fp16/hd64/local", "bwd/bf16/hd64/local+sinks", "bwd/bf16/hd128/causal+alibi",
            "fwd/bf16/hd128/local", "fwd/fp16/hd256/causal", "fwd/bf16/hd64/local+sinks", "fwd/bf16/hd128/causal+softcap",
            "bwd/bf16/hd192v128/causal", "bwd/bf16/hd192v128/full", "bwd/bf16/hd128/causal+softcap",
-           "bwd/bf16/hd128/local+softcap"]
+           "bwd/bf16/hd128/local+softcap", "fwd/bf16/hd128/local+softcap", "fwd/bf16/hd256/causal+softcap",
+           "fwd/bf16/hd256/local+softcap"]
     for key in fa4:
         assert (bundle.select(key, (10, 0)).arch, bundle.select(key, (10, 0)).fa_version) == ("sm100a", 4), key
     families = [f"{d}/bf16/hd{h}/{m}+softcap" for d in ("fwd", "bwd") for h in (128, 256) for m in ("causal", "local")]
