@@ -9,7 +9,7 @@ static_assert.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -26,7 +26,8 @@ BLOCK_M = 128  # one M = 128 tcgen05.mma: TMEM lane = query row = softmax thread
 WARPS = 12
 TMEM_COLUMNS = 512  # TMEM per SM: 128 lanes x 512 columns of 32 bits
 STAGE_RANGE = (2, 6)
-# q_full, s_full x2, p_full x2, scale_full x2, o_ready, pv_done, stats_full.
+# q_full, s_full x2, p_full x2, scale_full x2, o_ready, pv_done, stats_full; the paged layout's
+# v_cleared after them.
 FIXED_MBARRIERS = 10
 # After the mbarriers: the TMEM address (16 bytes keep the floats aligned), then per query row
 # two rescale factors in flight and the final row sum.
@@ -66,9 +67,17 @@ class Fa4Tile(SoftmaxTricksTile):
 
 @dataclass(frozen=True)
 class Fa4Geometry(TmaRingLayout):
+    # The paged layout: the idle warps zero the V rows a page holds past a batch row's keys
+    # (fa4/forward.cuh: clear_cache_rows_past_keys), behind one more mbarrier.
+    clears_cache_rows: bool = field(default=False, kw_only=True)
+
+    @property
+    def fixed_mbarriers(self) -> int:
+        return FIXED_MBARRIERS + (1 if self.clears_cache_rows else 0)
+
     @property
     def smem_control_bytes(self) -> int:
-        barriers = 8 * (FIXED_MBARRIERS + MBARRIERS_PER_STAGE * self.stages)
+        barriers = 8 * (self.fixed_mbarriers + MBARRIERS_PER_STAGE * self.stages)
         return barriers + TMEM_SLOT_BYTES + ROW_FLOATS * self.block_m * 4
 
     @property
@@ -171,7 +180,9 @@ class Fa4ForwardSpec(KernelSpec):
     # tcgen05.commit.
     REQUIRED_SASS: ClassVar[tuple[str, ...]] = ("UTCHMMA", "LDTM", "UTCBAR", "UTMALDG")
     WHY_MASKS: ClassVar[str] = "custom masks: the FA2 forward takes them"
-    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen")
+    # paged: a KV-cache call's prefill (fagen/runtime/kvcache.py), K/V tiles by TMA through the
+    # block table in runs of keys (contract.cache_box_rows), as FA3's TMA path.
+    LAYOUTS: ClassVar[tuple[str, ...]] = ("dense", "varlen", "paged")
     DTYPES: ClassVar[tuple[str, ...]] = contract.DTYPES
 
     fa_version: Literal[4]
@@ -204,6 +215,12 @@ class Fa4ForwardSpec(KernelSpec):
                            head_dim_v=head_dim_v,
                            element_bytes=contract.DTYPE_BYTES[dtype])
 
+    @property
+    def geometry(self) -> Fa4Geometry:
+        """geometry_of, with the paged layout's clearing of cache rows past the keys."""
+        geometry = self.geometry_of(self.head_dim, self.tile, self.head_dim_v, self.dtypes)
+        return replace(geometry, clears_cache_rows=self.layout == "paged")
+
     def algorithm_constexprs(self) -> list[Constexpr]:
         g = self.geometry
         return [
@@ -221,6 +238,11 @@ class Fa4ForwardSpec(KernelSpec):
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemControlBytes", g.smem_control_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),
+            Constexpr("kPaged", self.layout == "paged"),
+            Constexpr("kFixedBarriers", g.fixed_mbarriers),
+            Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
+            Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
+            Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
             *self.tile.softmax_constexprs(),
             Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
             Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),

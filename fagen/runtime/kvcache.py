@@ -24,10 +24,11 @@ from .e4m3 import Descales
 from .loader import Bundle, KernelNotFound, LoadedKernel, launch_grid
 
 # The algorithms of the paged layout's kernels: the split-KV decode kernels (grid `splits`,
-# fagen/model/fa2_split_kv.py) and the tile kernels of a prefill (FA3's paged layout,
-# fagen/model/fa3.py), which contract.PAGED_TILE_MIN_QUERIES chooses between.
+# fagen/model/fa2_split_kv.py) and the tile kernels of a prefill (the paged layout of FA4 on
+# sm100a and FA3 on sm90a, fagen/model/fa4.py and fa3.py; a device has one of them), which
+# contract.PAGED_TILE_MIN_QUERIES chooses between.
 SPLIT_KV_FA_VERSION = 2
-TILE_FA_VERSION = 3
+TILE_FA_VERSIONS = (4, 3)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ def select_kvcache(bundle: Bundle, problem: Problem, device: int = 0, num_splits
     takes the other algorithm's kernel where the bundle has only that."""
     capability = driver.compute_capability(device)
     prefill = problem.seqlen_q >= contract.PAGED_TILE_MIN_QUERIES and num_splits <= 1
-    for fa_version in (TILE_FA_VERSION, SPLIT_KV_FA_VERSION) if prefill else (SPLIT_KV_FA_VERSION, TILE_FA_VERSION):
+    order = (*TILE_FA_VERSIONS, SPLIT_KV_FA_VERSION) if prefill else (SPLIT_KV_FA_VERSION, *TILE_FA_VERSIONS)
+    for fa_version in order:
         try:
             return bundle.select(problem.key, capability, problem.seqlen_k, fa_version=fa_version)
         except KernelNotFound:

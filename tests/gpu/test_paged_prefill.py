@@ -31,10 +31,13 @@ NEW = 160  # query tokens per row: above contract.PAGED_TILE_MIN_QUERIES, not a 
 def require_tiles(bundle, dtype, head_dim, mods=()):
     """Skip unless the bundle has a tile kernel of the paged layout for this device."""
     key = contract.kernel_key("fwd", dtype, head_dim, "local", mods, layout="paged")
-    try:
-        bundle.select(key, torch.cuda.get_device_capability(), fa_version=kvcache.TILE_FA_VERSION)
-    except KernelNotFound as exc:
-        pytest.skip(f"bundle has no tile kernel {key}: {str(exc).splitlines()[0]}")
+    for fa_version in kvcache.TILE_FA_VERSIONS:
+        try:
+            bundle.select(key, torch.cuda.get_device_capability(), fa_version=fa_version)
+            return
+        except KernelNotFound as exc:
+            missing = exc
+    pytest.skip(f"bundle has no tile kernel {key}: {str(missing).splitlines()[0]}")
 
 
 def poison_past_lengths(cache: Cache) -> None:

@@ -4,6 +4,8 @@ launches through the fake driver."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from pydantic import ValidationError
 
@@ -35,7 +37,7 @@ def test_a_paged_spec_is_the_split_kv_algorithm():
 
 @pytest.mark.parametrize("fields, match", [
     ({"mask": "causal"}, "one local kernel serves all three"),
-    ({"fa_version": 4, "arch": "sm100a"}, "fa_version=4 layout=paged: fagen has no kernel template"),
+    ({"fa_version": 1, "arch": "sm80"}, "fa_version=1 layout=paged: fagen has no kernel template"),
     ({"tile": {"warps": 4, "stages": 2, "block_n": 64}}, "tile.block_n=64: must be one of"),
     ({"tile": {"warps": 3, "stages": 2}}, "tile.warps=3"),
     ({"arch": "sm86", "head_dim": 256, "tile": {"warps": 4, "stages": 4}}, "bytes of shared memory"),
@@ -283,3 +285,30 @@ def test_a_tile_loads_its_keys_in_the_largest_runs_its_pages_allow(page_size, bo
     from pages holding whole tiles, whole pages where the tile holds whole pages, else 16 keys."""
     assert contract.cache_box_rows(page_size, 128) == box
     assert contract.cache_box_rows(page_size, 80) == (80 if page_size == 0 else 16)
+
+
+def test_a_prefill_on_a_b200_runs_on_the_fa4_tile_kernel(tmp_path, fake, monkeypatch):  # noqa: F811
+    """Compute capability 10.0: a prefill over the cache takes FA4's paged tile kernel (FA3's
+    sm90a one does not run there), a decode FA2's sm100a split-KV kernel."""
+    from fagen.runtime import driver
+
+    split = kernel_entry("sm100a", "fwd/bf16/hd128/local")
+    split.update(key="fwd/bf16/hd128/local/paged",
+                 launch={"threads": 128, "block_m": 16, "block_n": 16, "dynamic_smem": 108800, "grid": "splits",
+                         "min_split_keys": 256})
+    entries = [split]
+    for arch, version, smem in (("sm100a", 4, 190000), ("sm90a", 3, 164864)):
+        tiles = kernel_entry(arch, "fwd/bf16/hd128/local", fa_version=version)
+        tiles.update(key="fwd/bf16/hd128/local/paged",
+                     launch={"threads": 384, "block_m": 128, "dynamic_smem": smem, "tma_q_rows": 128,
+                             "tma_kv_rows": 128})
+        entries.append(tiles)
+    bundle = load(write_bundle(tmp_path / "b", entries))
+    monkeypatch.setattr(driver, "compute_capability", functools.cache(lambda device=0: (10, 0)))
+    assert prepare_kvcache(bundle, PAGED_PROBLEM, *_tensors(), CACHE).kernel.entry.fa_version == 2
+    rows = contract.PAGED_TILE_MIN_QUERIES
+    prefill = Problem("bf16", True, 4, rows, 1024, 32, 8, 128, layout="paged")
+    prepared = prepare_kvcache(bundle, prefill, *_tensors(seqlen_q=rows), CACHE)
+    assert (prepared.kernel.entry.fa_version, prepared.kernel.entry.arch, prepared.num_splits) == (4, "sm100a", 1)
+    _, k_map, v_map = fake.maps[-3:]
+    assert k_map[2] == v_map[2] == (128, 64, 8, 64) and k_map[4] == (64, 64, 1, 1)  # pages of 64: a box each

@@ -8,6 +8,12 @@
 
 namespace fagen::algo {
 
+// The base allocate_tmem wrote to `slot`, read again: a kernel whose roles take it after their
+// setmaxnreg reads it there, since a value kept across setmaxnreg is spilled.
+__device__ __forceinline__ uint32_t tmem_base(uint32_t slot) {
+    return *static_cast<const uint32_t*>(__cvta_shared_to_generic(slot));
+}
+
 // kColumns of TMEM, allocated by the threads with `allocating_warp` set (one whole warp), their
 // base written to the shared-memory word `slot`; returns the base in every thread. The CTA
 // barrier inside also publishes what the CTA wrote before it (the mbarriers' initialisation).
@@ -20,7 +26,7 @@ __device__ __forceinline__ uint32_t allocate_tmem(uint32_t slot, bool allocating
     ptx::tcgen05_fence_before_thread_sync();
     __syncthreads();
     ptx::tcgen05_fence_after_thread_sync();
-    return *static_cast<const uint32_t*>(__cvta_shared_to_generic(slot));
+    return tmem_base(slot);
 }
 
 // Frees what allocate_tmem gave, after every thread of the CTA has finished with it.

@@ -16,7 +16,9 @@
 //   warp 9     MMA          allocates TMEM; one lane issues S_j = Q K_j^T and O += P_{j-1}
 //                           V_{j-1} and commits their completion to mbarriers.
 //   warps 10-11             idle: they complete the third warpgroup, which setmaxnreg needs
-//                           whole to hand its registers to the softmax warpgroup.
+//                           whole to hand its registers to the softmax warpgroup. Paged
+//                           (Config::kPaged): they zero the V rows a page holds past the batch
+//                           row's keys once that tile landed (clear_cache_rows_past_keys).
 // Registers (setmaxnreg): the softmax warpgroup holds a whole S row per thread and gets
 // Config::kSoftmaxRegisters; correction and control warpgroups give theirs up.
 //
@@ -93,7 +95,7 @@ enum Barrier : int {
     kOReady = 7,      // O may take P_j V_j (128 correction threads)
     kPvDone = 8,      // P_j V_j completed (tcgen05.commit)
     kStatsFull = 9,   // final row sums in smem (128 softmax threads)
-    kFixedBarriers = 10,
+    kVCleared = 10,   // paged: the first V tile's rows past the keys zeroed (64 idle-warp threads)
 };
 
 template <class Config>
@@ -155,21 +157,26 @@ struct Forward {
         uint32_t q, k, v, bar;
 
         __device__ uint32_t barrier(int index) const { return bar + 8 * index; }
-        __device__ uint32_t k_full(int s) const { return barrier(kFixedBarriers + 4 * s); }
-        __device__ uint32_t k_empty(int s) const { return barrier(kFixedBarriers + 4 * s + 1); }
-        __device__ uint32_t v_full(int s) const { return barrier(kFixedBarriers + 4 * s + 2); }
-        __device__ uint32_t v_empty(int s) const { return barrier(kFixedBarriers + 4 * s + 3); }
+        __device__ uint32_t k_full(int s) const { return barrier(Config::kFixedBarriers + 4 * s); }
+        __device__ uint32_t k_empty(int s) const { return barrier(Config::kFixedBarriers + 4 * s + 1); }
+        __device__ uint32_t v_full(int s) const { return barrier(Config::kFixedBarriers + 4 * s + 2); }
+        __device__ uint32_t v_empty(int s) const { return barrier(Config::kFixedBarriers + 4 * s + 3); }
         __device__ uint32_t k_tile(int s) const { return k + s * kKVBytes; }
         __device__ uint32_t v_tile(int s) const { return v + s * kVBytes; }
-        __device__ uint32_t tmem_slot() const { return barrier(kFixedBarriers + 4 * kStages); }
+        __device__ uint32_t tmem_slot() const { return barrier(Config::kFixedBarriers + 4 * kStages); }
         // Per-row floats: rescale factors of the two blocks in flight, then final row sums.
         __device__ uint32_t row_scale(int buffer) const { return tmem_slot() + 16 + buffer * kBlockM * 4; }
         __device__ uint32_t row_sum() const { return row_scale(2); }
     };
-    static_assert(Config::kSmemControlBytes == 8 * (kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
+    static_assert(Config::kSmemControlBytes == 8 * (Config::kFixedBarriers + 4 * kStages) + 16 + 3 * kBlockM * 4);
 
-    // Dense or varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1).
-    static constexpr int kRowLayout = Config::kVarlen ? algo::kVarlenRows : algo::kDenseRows;
+    // Dense, varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1)
+    // or paged (Config::kPaged: a KV cache's keys through the block table, fagen/runtime/kvcache.py).
+    static constexpr int kRowLayout = Config::kPaged ? algo::kPagedRows : Config::kVarlen ? algo::kVarlenRows
+                                                                                           : algo::kDenseRows;
+    static_assert(!Config::kPaged || (!Config::kVarlen && !kE4m3 && kBlockN % Config::kCacheBoxRows == 0),
+                  "a paged K/V tile is whole runs of 16-bit cache rows");
+    static_assert(Config::kFixedBarriers == kVCleared + (Config::kPaged ? 1 : 0), "fagen/model/fa4.py: fixed_mbarriers");
     using Work = algo::TileWork<kRowLayout>;
 
     static __device__ __forceinline__ float load_shared_f32(uint32_t addr) {
@@ -180,7 +187,7 @@ struct Forward {
     }
 
     // ---------------------------------------------------------------- load warp
-    static __device__ void load(const FagenTmaMaps& maps, const Smem& s, const Work& w) {
+    static __device__ void load(const FagenFwdParams& prm, const FagenTmaMaps& maps, const Smem& s, const Work& w) {
         const int batch = w.seq().tma_batch(w.batch);
         algo::tma_load_tile<kChunks, kChunkColumns>(maps.q, s.q, kBlockM, s.barrier(kQFull),
                                                     w.seq().q_begin() + w.row_begin, w.head, batch);
@@ -188,6 +195,17 @@ struct Forward {
             const int slot = j % kStages;
             const uint32_t empty_parity = ((j / kStages) & 1) ^ 1;  // a fresh barrier passes parity 1
             const int key_begin = w.seq().k_begin() + w.n_block(j) * kBlockN;
+            if constexpr (Config::kPaged) {
+                const auto runs = algo::cache_runs<kBlockN, Config::kCacheBoxRows>(prm, w.batch, key_begin,
+                                                                                 w.seq().seqlen_k(prm));
+                ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
+                algo::tma_load_cache_tile<kChunks, kBlockN, Config::kCacheBoxRows>(maps.k, s.k_tile(slot),
+                                                                                  s.k_full(slot), runs, w.kv_head);
+                ptx::mbarrier_wait_parity(s.v_empty(slot), empty_parity);
+                algo::tma_load_cache_tile<kVChunks, kBlockN, Config::kCacheBoxRows>(maps.v, s.v_tile(slot),
+                                                                                   s.v_full(slot), runs, w.kv_head);
+                continue;
+            }
             ptx::mbarrier_wait_parity(s.k_empty(slot), empty_parity);
             algo::tma_load_tile<kChunks, kChunkColumns>(maps.k, s.k_tile(slot), kBlockN, s.k_full(slot),
                                          key_begin, w.kv_head, batch);
@@ -200,6 +218,27 @@ struct Forward {
                                              key_begin, w.kv_head, batch);
             }
         }
+    }
+
+    // Paged: a page's rows past a batch row's keys hold whatever was written there before, not
+    // the zeros TMA gives past a dense tensor's end, and a masked P of 0 times a NaN there is NaN
+    // in O. The idle warps' 64 threads zero those rows of the first visited V tile (the row's
+    // last key block; the others are whole) once it landed, and P_0 V_0 waits for them.
+    static constexpr int kClearThreads = 64;
+
+    static __device__ void clear_cache_rows_past_keys(const FagenFwdParams& prm, const Smem& s, const Work& w,
+                                                      int thread) {
+        ptx::mbarrier_wait_parity(s.v_full(0), 0);
+        const int valid = max(w.seq().seqlen_k(prm) - w.n_block(0) * kBlockN, 0);
+        constexpr int kVectorsPerRow = 128 / 16;  // a chunk's row is 128 bytes
+        const int vectors_per_chunk = max(kBlockN - valid, 0) * kVectorsPerRow;
+        for (int i = thread; i < kVChunks * vectors_per_chunk; i += kClearThreads) {
+            const int chunk = i / vectors_per_chunk, within = i % vectors_per_chunk;
+            const uint32_t address = s.v_tile(0) + chunk * kBlockN * 128 + valid * 128 + within * 16;
+            *static_cast<uint4*>(__cvta_shared_to_generic(address)) = make_uint4(0, 0, 0, 0);
+        }
+        ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores before tcgen05.mma's reads
+        ptx::mbarrier_arrive(s.barrier(kVCleared));
     }
 
     // ---------------------------------------------------------------- MMA thread
@@ -257,6 +296,7 @@ struct Forward {
             ptx::mbarrier_wait_parity(s.barrier(kPFull0 + (j & 1)), (j >> 1) & 1);
             ptx::mbarrier_wait_parity(s.barrier(kOReady), j & 1);
             ptx::mbarrier_wait_parity(s.v_full(slot), (j / kStages) & 1);
+            if (Config::kPaged && j == 0) ptx::mbarrier_wait_parity(s.barrier(kVCleared), 0);
             ptx::tcgen05_fence_after_thread_sync();
             issue_pv(s, tmem, slot, j & 1, j > 0);
             ptx::tcgen05_commit(s.v_empty(slot));
@@ -545,6 +585,7 @@ struct Forward {
             ptx::mbarrier_init(s.barrier(kOReady), kBlockM);
             ptx::mbarrier_init(s.barrier(kPvDone), 1);
             ptx::mbarrier_init(s.barrier(kStatsFull), kBlockM);
+            if constexpr (Config::kPaged) ptx::mbarrier_init(s.barrier(kVCleared), kClearThreads);
             for (int st = 0; st < kStages; ++st) {
                 ptx::mbarrier_init(s.k_full(st), 1);
                 ptx::mbarrier_init(s.k_empty(st), 1);
@@ -553,25 +594,30 @@ struct Forward {
             }
             ptx::fence_mbarrier_init_release_cluster();
         }
-        const uint32_t tmem = algo::allocate_tmem<Config::kTmemColumns>(s.tmem_slot(), warp == kMmaWarp);
+        algo::allocate_tmem<Config::kTmemColumns>(s.tmem_slot(), warp == kMmaWarp);
 
+        // Each role reads the TMEM base and computes its tile after its setmaxnreg: values kept
+        // across it spilled (the tile: varlen, 2026-12-04; the base: paged, 2026-12-05).
         if (warp < kCorrectionWarp0) {
             ptx::setmaxnreg_inc<Config::kSoftmaxRegisters>();
             const Work w = work_of_cta(prm);
-            if (w.n_blocks > 0) softmax(prm, s, w, tmem, threadIdx.x - kSoftmaxWarp0 * 32);
+            if (w.n_blocks > 0) softmax(prm, s, w, algo::tmem_base(s.tmem_slot()), threadIdx.x - kSoftmaxWarp0 * 32);
         } else if (warp < kLoadWarp) {
             ptx::setmaxnreg_dec<Config::kCorrectionRegisters>();
             const Work w = work_of_cta(prm);
-            if (w.n_blocks > 0) correct(prm, s, w, tmem, threadIdx.x - kCorrectionWarp0 * 32);
+            if (w.n_blocks > 0) correct(prm, s, w, algo::tmem_base(s.tmem_slot()), threadIdx.x - kCorrectionWarp0 * 32);
         } else {
             ptx::setmaxnreg_dec<Config::kControlRegisters>();
             const Work w = work_of_cta(prm);
-            if (w.n_blocks > 0 && threadIdx.x == kLoadWarp * 32) load(maps, s, w);
-            if (w.n_blocks > 0 && threadIdx.x == kMmaWarp * 32) mma(s, w, tmem);
+            if (w.n_blocks > 0 && threadIdx.x == kLoadWarp * 32) load(prm, maps, s, w);
+            if (w.n_blocks > 0 && threadIdx.x == kMmaWarp * 32) mma(s, w, algo::tmem_base(s.tmem_slot()));
+            if (Config::kPaged && w.n_blocks > 0 && threadIdx.x >= (kMmaWarp + 1) * 32) {
+                clear_cache_rows_past_keys(prm, s, w, threadIdx.x - (kMmaWarp + 1) * 32);
+            }
         }
         __syncwarp();
 
-        algo::release_tmem<Config::kTmemColumns>(tmem, threadIdx.x / 32 == kMmaWarp);
+        algo::release_tmem<Config::kTmemColumns>(algo::tmem_base(s.tmem_slot()), threadIdx.x / 32 == kMmaWarp);
         const Work w = work_of_cta(prm);
         if (w.n_blocks <= 0) write_empty_rows(prm, w);  // the roles did nothing
     }
