@@ -191,16 +191,6 @@ class SoftmaxTricksTile(TileBase):
         ]
 
 
-def backward_row_constexprs() -> list[Constexpr]:
-    """What every backward's row kernels (templates/include/fagen/algo/backward_rows.cuh) take
-    from the contract: rows and threads per CTA, the dQ accumulator's row padding."""
-    return [
-        Constexpr("kBwdRowsPerCta", contract.BWD_ROWS_PER_CTA),
-        Constexpr("kBwdRowThreads", contract.BWD_ROW_THREADS),
-        Constexpr("kDqAccumRowAlign", contract.DQ_ACCUM_ROW_ALIGN),
-    ]
-
-
 class KernelSpec(BaseModel):
     """One kernel variant. Subclassed per algorithm; `KernelSpec.model_validate(fields)` returns
     the algorithm's subclass. `tile: auto` (or no tile) resolves through the tuning table."""

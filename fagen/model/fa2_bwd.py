@@ -16,7 +16,8 @@ from pydantic import Field
 
 from .. import contract
 from .arch import ARCHS, MAX_REGISTERS_PER_THREAD, Arch
-from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
+from .base import Constexpr, KernelSpec, TileBase
+from .companions import backward_row_constexprs
 from .fa2 import Fa2ForwardSpec, mma_sync_head_dim_problem, row_pitch_bytes
 from .layout import TileGeometry, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow

@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from .. import contract
 from .arch import Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
+from .companions import paged_constexprs, v_transpose_constexprs
 from .layout import (
     MBARRIERS_PER_STAGE, SWIZZLE_ROW_BYTES, TMA_COLUMNS, TmaRingLayout, consumer_registers,
     smem_limit_problems, value_dim_rule,
@@ -438,15 +439,10 @@ class Fa3ForwardSpec(KernelSpec):
             Constexpr("kSmemVOffset", g.smem_v_offset),
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemBytes", g.smem_bytes),
-            Constexpr("kPaged", self.layout == "paged"),
             Constexpr("kGathersKv", g.gathers_kv),
-            Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
-            Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
-            Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
+            *paged_constexprs(self.layout),
             *self.tile.softmax_constexprs(),
-            Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
-            Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),
-            Constexpr("kVtThreads", contract.vt_threads(g.head_dim_v)),
+            *v_transpose_constexprs(g.head_dim_v),
             Constexpr("kVtChunks", g.vt_chunks if g.reads_v_transposed else 0),
         ]
 

@@ -25,7 +25,8 @@ from pydantic import Field
 
 from .. import contract
 from .arch import Arch
-from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
+from .base import Constexpr, KernelSpec, TileBase
+from .companions import backward_row_constexprs
 from .fa3 import Fa3ForwardSpec
 from .layout import (
     ELEMENT_BYTES, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, consumer_registers, launch_registers,

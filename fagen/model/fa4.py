@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from .. import contract
 from .arch import Arch
 from .base import Constexpr, KernelSpec, SoftmaxTricksTile
+from .companions import paged_constexprs, v_transpose_constexprs
 from .layout import MBARRIERS_PER_STAGE, TMA_COLUMNS, TmaRingLayout, smem_limit_problems, value_dim_rule
 from .tuning import TuningRow
 
@@ -238,15 +239,10 @@ class Fa4ForwardSpec(KernelSpec):
             Constexpr("kSmemBarrierOffset", g.smem_barrier_offset),
             Constexpr("kSmemControlBytes", g.smem_control_bytes),
             Constexpr("kSmemBytes", g.smem_bytes),
-            Constexpr("kPaged", self.layout == "paged"),
             Constexpr("kFixedBarriers", g.fixed_mbarriers),
-            Constexpr("kCacheBoxRows", contract.CACHE_TMA_BOX_ROWS),
-            Constexpr("kCompanionThreads", contract.COMPANION_THREADS),
-            Constexpr("kCompanionRowsPerCta", contract.COMPANION_ROWS_PER_CTA),
+            *paged_constexprs(self.layout),
             *self.tile.softmax_constexprs(),
-            Constexpr("kVtKeysPerCta", contract.VT_KEYS_PER_CTA),
-            Constexpr("kVtKeyGroup", contract.VT_KEY_GROUP),
-            Constexpr("kVtThreads", contract.vt_threads(g.head_dim_v)),
+            *v_transpose_constexprs(g.head_dim_v),
         ]
 
     def launch(self) -> contract.Launch:

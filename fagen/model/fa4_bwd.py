@@ -27,7 +27,8 @@ from pydantic import Field, model_validator
 
 from .. import contract
 from .arch import Arch
-from .base import Constexpr, KernelSpec, TileBase, backward_row_constexprs
+from .base import Constexpr, KernelSpec, TileBase
+from .companions import backward_row_constexprs
 from .fa4 import TMEM_COLUMNS, Fa4ForwardSpec, tmem_allocation
 from .layout import (
     ELEMENT_BYTES, SETMAXNREG_GRANULE, SWIZZLE_ATOM_BYTES, TMA_COLUMNS, TileGeometry, launch_registers,
