@@ -244,8 +244,9 @@ def _serving_params(problem: Problem, q: Tensor, k: Tensor, v: Tensor, out: Tens
 def _prepare_tiles(bundle: Bundle, entry: KernelEntry, problem: Problem, q: Tensor, k: Tensor, v: Tensor,
                    out: Tensor, cache: KvCache, scale: contract.KernelScale, device: int,
                    score_tensors: ScoreTensors, new_keys: NewKeys | None) -> PreparedKvCacheAttention:
-    """A paged-layout call on a tile kernel (FA3, templates/include/fagen/fa3/forward.cuh: kPaged):
-    its persistent grid (a CTA per work item for packed rows of mixed lengths, as a varlen call's),
+    """A paged-layout call on a tile kernel (FA4 or FA3, fa4/forward.cuh and fa3/forward.cuh:
+    kPaged): its grid (FA3's persistent one: a CTA per work item for packed rows of mixed
+    lengths, as a varlen call's; FA4's a CTA per tile),
     Q's map over dense or packed q, K's and V's over the pages (page_size rows, pages batch rows)
     or the contiguous cache, in boxes of the runs of keys the kernel loads (contract.cache_box_rows)."""
     p = problem

@@ -920,7 +920,7 @@ struct AttentionBackward : Attention {
 };
 
 // Attention of new query tokens over a KV cache (flash_attn_with_kvcache; layout paged: the
-// split-KV kernels, or a prefill's tile kernels, FA3, from FAGEN_PAGED_TILE_MIN_QUERIES query tokens
+// split-KV kernels, or a prefill's tile kernels, FA4 / FA3, from FAGEN_PAGED_TILE_MIN_QUERIES query tokens
 // a row where the bundle has them and num_splits is 0 or 1). q: dense (batch, seqlen_q, heads_q,
 // d), or packed by cu_seqlens_q ((total_q, heads_q, d), seqlen_q the longest row's, lse (heads_q,
 // total_q)). k, v: the cache, (batch,
@@ -1379,7 +1379,7 @@ public:
         }
         auto key = merge_kernel_key(m.dtype);
         if (!key.ok()) return key.status();
-        // The split-KV kernel of that key: a paged key is also a prefill's tile kernel (FA3).
+        // The split-KV kernel of that key: a paged key is also a prefill's tile kernel (FA4, FA3).
         auto kernel = this->kernel(key.value(), 0, FAGEN_GRID_SPLITS);
         if (!kernel.ok()) return kernel.status();
         const auto la = m.lse_a_strides.value_or(rows), lb = m.lse_b_strides.value_or(rows),
@@ -1698,7 +1698,7 @@ private:
     }
     // The kernel of a KV-cache call (fagen/runtime/kvcache.py: select_kvcache): a prefill (rows
     // of FAGEN_PAGED_TILE_MIN_QUERIES query tokens or more, not asked for splits) prefers a tile
-    // kernel of the paged layout (FA3's: a persistent or a tile grid), anything else the split-KV
+    // kernel of the paged layout (FA4's tile grid or FA3's persistent one), anything else the split-KV
     // kernels; either takes the other where the bundle has only that.
     Result<const Kernel*> kvcache_kernel(const KvCacheAttention& a) {
         const Result<CallMask> mask = kvcache_mask(a);
