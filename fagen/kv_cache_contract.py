@@ -72,8 +72,9 @@ class SplitWorkspace:
 
 # A KV-cache call whose rows bring at least PAGED_TILE_MIN_QUERIES query tokens (a prefill) runs
 # on a tile kernel of the paged layout (FA4 on sm100a, FA3 on sm90a: K/V read once per 128
-# queries of a head, not once per 16 GQA-packed rows) when the bundle has one; its K/V tiles load in runs of keys, each from
-# its own page (cache_box_rows), CACHE_TMA_BOX_ROWS at least (the page-size multiple).
+# queries of a head, not once per 16 GQA-packed rows) when the bundle has one; its K/V tiles load
+# in runs of keys, each from its own page (cache_box_rows), CACHE_TMA_BOX_ROWS at least (the
+# page-size multiple).
 PAGED_TILE_MIN_QUERIES = 128
 # A page size is a multiple of this: the split-KV kernels look pages up in runs of 16 keys, the
 # tile kernels load boxes of 16 keys at least (vLLM's pages are 16 keys).

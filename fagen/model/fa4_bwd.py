@@ -9,9 +9,10 @@ accumulate in TMEM across the walk; dQ_i is written over dP^T's columns once dK_
 and dQ warps with one thread per TMEM lane add it to the fp32 accumulator in global memory. TMEM
 holds S^T, dP^T (block_m columns each), dV and dK (head_dim_v + head_dim): at head dims 64 and
 128 a step is 128 queries and dQ_i = dS K (a lane per query, head_dim <= 128 columns over dP^T);
-DeepSeek-V3's 192 / 128 leaves 192 columns for S^T and dP^T, so its steps are 64 queries, and
-dQ_i^T = K^T dS^T (a lane per head-dim column: M = 64 queries is no full-lane MMA) is two M = 128
-products, over dims [0, 128) and [64, 192), in dP^T's and the next 64 columns.
+DeepSeek-V3's 192 / 128 leaves 192 columns for S^T and dP^T, and the softcap's 1 - u^2 per score
+the compute threads no registers for 128 queries, so their steps are 64 queries, and dQ_i^T =
+K^T dS^T (a lane per head-dim column: M = 64 queries is no full-lane MMA) is M = 128 products
+(over dims [0, 128) and [64, 192) at 192) in dP^T's columns and the next ones.
 
 The geometry is computed once here: validation rejects tiles that cannot fit shared memory or
 TMEM, codegen passes the same numbers to the template, which re-checks them with static_assert.
@@ -37,11 +38,11 @@ from .layout import (
 from .tuning import TuningRow
 
 BLOCK_M = 128  # queries per step: N of S^T and dP^T, M of dQ (a TMEM lane per query)
-SPLIT_BLOCK_M = 64  # queries per step at 192 / 128: N of S^T, dP^T and dQ^T (a lane per dim)
+SPLIT_BLOCK_M = 64  # queries per step at 192 / 128 and softcap: N of S^T, dP^T, dQ^T (a lane per dim)
 BLOCK_N = 128  # keys per CTA: M of S^T, dP^T, dV, dK (a TMEM lane per key)
 MMA_M = 128  # the M of every product: a TMEM lane per row, all 128 lanes
 # Role warps (templates/include/fagen/fa4/backward.cuh): 4 compute (a key row each), 4 dQ (a
-# query row each; dK and dV at the end), then load, MMA and 2 idle warps completing the third
+# TMEM lane of dQ each: a query, or a head-dim column of dQ^T; dK and dV at the end), then load, MMA and 2 idle warps completing the third
 # warpgroup (setmaxnreg acts on whole warpgroups).
 WARPS = 12
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (192, 128))  # (head_dim, head_dim_v)
@@ -66,7 +67,7 @@ class Fa4BwdTile(TileBase):
     ALGORITHM: ClassVar[str] = "fa4 bwd"
 
     block_m: int = Field(BLOCK_M, gt=0, description=f"query rows per step of the walk ({BLOCK_M}; "
-                         f"{SPLIT_BLOCK_M} at head dims 192 / 128)")
+                         f"{SPLIT_BLOCK_M} at head dims 192 / 128 and with the softcap)")
     block_n: int = Field(BLOCK_N, gt=0, description=f"keys per CTA ({BLOCK_N})")
     warps: int = Field(WARPS, gt=0, description=f"warps per CTA: {WARPS} (the role table)")
     stages: int = Field(gt=0, description="Q / dO shared-memory ring depth")

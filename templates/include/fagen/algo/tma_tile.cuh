@@ -130,4 +130,20 @@ __device__ __forceinline__ void tma_load_cache_tile(const FagenTensorMap& map, u
     }
 }
 
+// Paged: a page's rows past a batch row's keys hold whatever was written there before, not the
+// zeros TMA gives past a dense tensor's end, and a masked P of 0 times a NaN there is NaN in O.
+// This zeroes rows [first_row, kRows), first_row < kRows, of a tile that landed (kChunks column chunks of kRows x 128
+// bytes, as tma_load_cache_tile writes them), `thread` one of kThreads; the caller fences the
+// stores for the tensor cores' (async-proxy) reads and tells them.
+template <int kChunks, int kRows, int kThreads>
+__device__ __forceinline__ void zero_tile_rows(uint32_t tile, int first_row, int thread) {
+    constexpr int kVectorsPerRow = 128 / 16;  // a chunk's row is 128 bytes
+    const int vectors_per_chunk = (kRows - first_row) * kVectorsPerRow;
+    for (int i = thread; i < kChunks * vectors_per_chunk; i += kThreads) {
+        const int chunk = i / vectors_per_chunk, within = i % vectors_per_chunk;
+        const uint32_t address = tile + chunk * kRows * 128 + first_row * 128 + within * 16;
+        *static_cast<uint4*>(__cvta_shared_to_generic(address)) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 }  // namespace fagen::algo

@@ -507,23 +507,15 @@ struct Forward {
         store_output(prm, w, acc_o[0], row_lse, warp_row, lane);
     }
 
-    // Paged, TMA: a cache's rows past a batch row's keys hold whatever was written there before,
-    // not the zeros TMA gives past a dense tensor's end (a gather writes zeros there), and a
-    // masked P of 0 times a NaN there is NaN in O. Each consumer zeroes those rows of the V tile
-    // of the row's last key block (the first one visited; the others are whole) before its P V
-    // reads it; both write the same zeros.
+    // Paged, TMA (a gather writes zeros there itself): each consumer zeroes the rows past the keys
+    // (algo::zero_tile_rows) of the V tile of the row's last key block (the first one visited;
+    // the others are whole) before its P V reads it; both write the same zeros.
     static __device__ __forceinline__ void clear_cache_rows_past_keys(const FagenFwdParams& prm, const Smem& s,
                                                                       const Work& w, int slot, int consumer,
                                                                       int thread) {
         const int valid = max(w.seq().seqlen_k(prm) - w.n_block(0) * kBlockN, 0);
         if (valid >= kBlockN) return;
-        constexpr int kVectorsPerRow = 128 / 16;  // a chunk's row is 128 bytes
-        const int vectors_per_chunk = (kBlockN - valid) * kVectorsPerRow;
-        for (int i = thread; i < kVChunks * vectors_per_chunk; i += 128) {
-            const int chunk = i / vectors_per_chunk, within = i % vectors_per_chunk;
-            const uint32_t address = s.v_tile(slot) + chunk * kBlockN * 128 + valid * 128 + within * 16;
-            *static_cast<uint4*>(__cvta_shared_to_generic(address)) = make_uint4(0, 0, 0, 0);
-        }
+        algo::zero_tile_rows<kVChunks, kBlockN, 128>(s.v_tile(slot), valid, thread);
         ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores before wgmma's reads
         ptx::bar_sync(kConsumerBarrierBase + consumer, 128);
     }

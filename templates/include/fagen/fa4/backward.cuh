@@ -8,7 +8,7 @@
 //
 // One CTA per tile (key block of kBlockN = 128 keys, K/V head, batch), which walks the query
 // blocks of kBlockM rows of every query head its K/V head serves (algo::BackwardWalk): 128, or 64
-// at head dims 192 / 128, where TMEM holds no more (fagen/model/fa4_bwd.py).
+// at head dims 192 / 128 (TMEM holds no more) and with the softcap (registers; fa4_bwd.py).
 // Dense or varlen (Config::kVarlen: algo/batch_row.cuh; the maps span the packed rows, batch 1).
 // Role table (384 threads = 3 warpgroups; a warp touches the TMEM lanes 32 * (warp % 4) .. + 31):
 //   warps 0-3  compute  thread t owns key t (TMEM lane t of S^T, dP^T): per step P^T = exp2(S^T
@@ -16,7 +16,7 @@
 //                       dP^T's columns and into shared memory (dQ's operand), masks, ALiBi and the
 //                       softcap (its 1 - u^2 kept per score: steps of 64 queries) per element.
 //   warps 4-7  dQ       thread t owns TMEM lane t of dQ_i: query t of the step (red.v4 of its
-//              + dK dV  row), or at 192 / 128 (Config::kDqTransposed) a head-dim column of each
+//              + dK dV  row), or in 64-query steps (Config::kDqTransposed) a head-dim column of each
 //                       dQ_i^T product (a red per query); it loads dQ_i, frees its columns and
 //                       adds it to the fp32 accumulator in global memory (in deterministic mode
 //                       in key-block order); at the end thread t writes key t's rows of dK (times

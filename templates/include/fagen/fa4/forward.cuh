@@ -220,23 +220,16 @@ struct Forward {
         }
     }
 
-    // Paged: a page's rows past a batch row's keys hold whatever was written there before, not
-    // the zeros TMA gives past a dense tensor's end, and a masked P of 0 times a NaN there is NaN
-    // in O. The idle warps' 64 threads zero those rows of the first visited V tile (the row's
-    // last key block; the others are whole) once it landed, and P_0 V_0 waits for them.
+    // Paged: the idle warps' 64 threads zero the rows past the keys (algo::zero_tile_rows) of the
+    // first visited V tile (the row's last key block; the others are whole) once it landed, and
+    // P_0 V_0 waits for them.
     static constexpr int kClearThreads = 64;
 
     static __device__ void clear_cache_rows_past_keys(const FagenFwdParams& prm, const Smem& s, const Work& w,
                                                       int thread) {
         ptx::mbarrier_wait_parity(s.v_full(0), 0);
         const int valid = max(w.seq().seqlen_k(prm) - w.n_block(0) * kBlockN, 0);
-        constexpr int kVectorsPerRow = 128 / 16;  // a chunk's row is 128 bytes
-        const int vectors_per_chunk = max(kBlockN - valid, 0) * kVectorsPerRow;
-        for (int i = thread; i < kVChunks * vectors_per_chunk; i += kClearThreads) {
-            const int chunk = i / vectors_per_chunk, within = i % vectors_per_chunk;
-            const uint32_t address = s.v_tile(0) + chunk * kBlockN * 128 + valid * 128 + within * 16;
-            *static_cast<uint4*>(__cvta_shared_to_generic(address)) = make_uint4(0, 0, 0, 0);
-        }
+        if (valid < kBlockN) algo::zero_tile_rows<kVChunks, kBlockN, kClearThreads>(s.v_tile(0), valid, thread);
         ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores before tcgen05.mma's reads
         ptx::mbarrier_arrive(s.barrier(kVCleared));
     }
